@@ -1,0 +1,1 @@
+"""Chapter 3: the scheduler (continuous batching, chunked prefill, preemption)."""

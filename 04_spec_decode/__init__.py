@@ -1,0 +1,1 @@
+"""Chapter 4: speculative decoding (rejection sampler and draft proposers)."""

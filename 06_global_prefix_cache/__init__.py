@@ -1,0 +1,1 @@
+"""Chapter 6: a global prefix cache shared across processes and nodes."""

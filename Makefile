@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-fast lab bench models clean
+
+install: $(STAMP)
+
+# torch goes in first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m mini_vllm.paged_attention.waste
+
+# The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks.
+test: $(STAMP)
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
+	echo "make test wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=.
+
+bench: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

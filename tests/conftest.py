@@ -1,0 +1,79 @@
+"""Shared pytest set-up for the whole course.
+
+Environment first: the Hub is offline, and without CUDA the Triton kernels run
+in the interpreter. `TRITON_INTERPRET` is read when a kernel is *defined*, so it
+must be set before any `mini_vllm.kernels` module is imported.
+"""
+import importlib
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Hypothesis profiles. `ci` keeps `make test` fast; `thorough` is for a long soak:
+#   HYPOTHESIS_PROFILE=thorough make test-fast
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=False,
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+IMPLS = ("reference", "exercise")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--impl",
+        choices=IMPLS,
+        default="reference",
+        help="run chapter tests against the reference modules (default) "
+        "or against the learner's exercise.py stubs",
+    )
+
+
+def pytest_report_header(config):
+    return f"mini-vllm implementation under test: {config.getoption('--impl')}"
+
+
+def load_chapter(chapter: str, impl: str):
+    """The module whose API a chapter's tests exercise.
+
+    `reference` -> the chapter package itself (`mini_vllm.<chapter>`), which
+    re-exports its public API; `exercise` -> `mini_vllm.<chapter>.exercise`,
+    which exposes the same names, some of them as stubs for the learner.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    name = f"mini_vllm.{chapter}" + (".exercise" if impl == "exercise" else "")
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="session")
+def impl(request) -> str:
+    """'reference' or 'exercise', from --impl."""
+    return request.config.getoption("--impl")
+
+
+@pytest.fixture(scope="session")
+def chapter(impl):
+    """Factory fixture: `chapter("paged_attention")` gives the module under test."""
+    return lambda name: load_chapter(name, impl)
