@@ -38,5 +38,9 @@ lab: $(STAMP)
 bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# Retrains the course's tiny target/draft models (about an hour on 2 CPU cores).
+models: $(STAMP)
+	$(PY) training/train_tiny_lm.py --out models
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
