@@ -1,0 +1,83 @@
+"""Attention over a paged KV cache: the readable PyTorch reference.
+
+vLLM counterparts: `paged_attention_v1` (`csrc/attention/paged_attention_v1.cu`)
+for decode, and the unified Triton kernel
+(`vllm/attention/ops/triton_unified_attention.py`) / `flash_attn_varlen_func`
+for any mix of decode, prefill and chunked prefill in one batch.
+
+Invariants the code relies on (and the tests check):
+- only the first ceil(seq_len / block_size) entries of a block-table row are
+  read, so -1 padding after them is never used as an index;
+- exactly seq_len positions are kept, so slots past seq_len (stale or NaN)
+  never reach the softmax;
+- the q_len queries of a sequence are its LAST q_len positions: query t sees
+  keys 0 .. seq_len - q_len + t.
+Arithmetic is float32; the output has the query's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.kernels.validation import check_block_tables, check_kv_cache, check_num_heads
+
+from .checks import check_cu_seqlens_q, check_query, check_scale, check_table_entries
+
+
+def gather_kv(key_cache, value_cache, block_table_row, seq_len: int):
+    """Contiguous K and V [seq_len, num_kv_heads, head_dim] of one sequence."""
+    block_size = key_cache.shape[1]
+    num_used = -(-seq_len // block_size)
+    blocks = block_table_row[:num_used].long()  # never touches the -1 padding
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [num_used*block_size, ...] -> seq_len
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _attend(q, k, v, scale: float):
+    """Causal attention of q [q_len, H, D] (the last q_len positions) over
+    k, v [seq_len, KVH, D], in float32."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads  # query head h reads KV head h // group
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs):
+    num_blocks, block_size, num_kv_heads, _ = check_kv_cache(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_num_heads(query.shape[1], num_kv_heads)
+    check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)
+    check_table_entries(block_tables, seq_lens, block_size, num_blocks)
+    check_scale(scale)
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """query [num_tokens, num_heads, head_dim]; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1]. Returns [num_tokens, num_heads, head_dim]."""
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
+    out = torch.empty_like(query)
+    for i in range(num_seqs):
+        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]))
+        out[start:end] = _attend(query[start:end], k, v, scale).to(query.dtype)
+    return out
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """One new token per sequence: query [num_seqs, num_heads, head_dim] is
+    position seq_len - 1 and sees all seq_len cached positions."""
+    num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
+    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    out = torch.empty_like(query)
+    for i in range(num_seqs):
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]))
+        out[i] = _attend(query[i:i + 1], k, v, scale)[0].to(query.dtype)
+    return out
