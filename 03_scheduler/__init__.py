@@ -1,1 +1,16 @@
-"""Chapter 3: the scheduler (continuous batching, chunked prefill, preemption)."""
+"""Chapter 3: the scheduler (continuous batching, chunked prefill, preemption).
+
+Mirrors `vllm/v1/request.py`, `vllm/v1/core/sched/output.py`,
+`vllm/v1/core/sched/scheduler.py` and `vllm/v1/outputs.py`.
+"""
+from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
+from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from .request import EngineCoreOutput, Request, RequestStatus, SamplingParams
+from .scheduler import Scheduler
+from .swap import CpuBlockPool
+
+__all__ = [
+    "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
+    "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "EngineCoreOutput",
+    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool",
+]

@@ -1,0 +1,89 @@
+"""What the scheduler tells the model runner, and what the runner answers.
+
+Counterparts: `vllm/v1/core/sched/output.py` (SchedulerOutput, NewRequestData,
+CachedRequestData) and `vllm/v1/outputs.py` (ModelRunnerOutput).
+
+A runner keeps a persistent batch (seed 001 §4.6.2): it learns a request's
+prompt and block ids once (NewRequestData) and afterwards only the *new*
+block ids (CachedRequestData). Before the forward pass it executes, in this
+order, `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NewRequestData:
+    """First schedule of a request, or its return after a recompute preemption.
+
+    `token_ids` is prompt + any output already generated (a resumed request
+    recomputes both); `num_computed_tokens` counts tokens already in the KV
+    cache before this step (prefix-cache hits), and `block_ids` is the whole
+    block table.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already knows.
+
+    `new_block_ids` are appended to its block table, except when
+    `resumed_from_preemption` (swap-in): then they *replace* the table.
+    `new_token_ids` are the tokens sampled since the runner last saw it (empty
+    when the runner produced them itself).
+    """
+
+    req_id: str
+    resumed_from_preemption: bool
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> Δ, the tokens computed this step (drafts included).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # req_id -> draft tokens verified this step (a suffix of its Δ tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests finished (stopped or aborted) since the previous step: the
+    # runner drops them from its persistent batch.
+    finished_req_ids: set[str] = field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request.
+
+    `sampled_token_ids[req_id_to_index[r]]` is a list: empty for a request
+    still in the middle of its prefill, one token for a normal step, and
+    1..k+1 tokens after verifying k drafts (accepted drafts + one bonus or
+    correction token), as in vLLM v1.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+
+    @classmethod
+    def from_dict(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
+        ids = list(sampled)
+        return cls(ids, {r: i for i, r in enumerate(ids)}, [list(sampled[r]) for r in ids])

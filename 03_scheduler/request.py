@@ -1,0 +1,169 @@
+"""A request as the scheduler sees it (counterpart of `vllm/v1/request.py`).
+
+The whole scheduling state of a request is two numbers (seed 001 §4.4.2):
+
+* `num_tokens`          = len(prompt) + len(output so far)  ("num_total_tokens")
+* `num_computed_tokens` = tokens whose KV is already in the cache
+
+Invariant: 0 <= num_computed_tokens <= num_tokens + len(spec_token_ids).
+Every scheduling behaviour (prefill, decode, chunked prefill, prefix hit,
+preemption, speculative decoding) is an update of these two numbers
+(seed 001 Table 4.1).
+
+The attributes read by Chapter 2's `KVCacheManager` (duck-typed) are
+`request_id`, `all_token_ids`, `num_prompt_tokens`, `num_tokens`,
+`num_computed_tokens` and `cache_salt`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle: WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
+
+    Ordered so that every status > PREEMPTED is a finished one (as in vLLM).
+    """
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token id
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()  # finish_requests(...) from the outside
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class SamplingParams:
+    """The part of sampling that the scheduler needs: when to stop.
+
+    max_tokens: cap on generated tokens (>= 1).
+    stop_token_ids: generating any of these finishes the request ("stop").
+    ignore_eos: when True, the EOS token does not stop generation.
+    """
+
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+class Request:
+    """One generation request.
+
+    `all_token_ids` is prompt + output; it is a list owned by the request and
+    only ever appended to (or truncated on a speculative rollback), so the KV
+    manager may keep reading it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
+        self.request_id = str(request_id)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.arrival_time = float(arrival_time)
+        # Lower value = served first (vLLM's convention).
+        self.priority = int(priority)
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Draft tokens proposed for the next step (Chapter 4 fills this).
+        self.spec_token_ids: list[int] = []
+        self.num_preemptions = 0
+        # Swap preemption: CPU blocks holding this request's KV while swapped out.
+        self.swapped_cpu_block_ids: list[int] = []
+        self.stop_reason: int | None = None
+
+    # --- the two numbers and their views -------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (cf. `vllm/v1/engine/__init__.py`)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_rejected_spec_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

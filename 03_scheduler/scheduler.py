@@ -1,0 +1,195 @@
+"""The continuous-batching scheduler (counterpart of `vllm/v1/core/sched/scheduler.py`).
+
+One step = one call to `schedule()`, one forward pass by the runner, one call
+to `update_from_output()`. Under a token budget B, each scheduled request r
+advances by Δ_r = min(remaining_r, B_left) tokens (seed 001 §4.4.2):
+prefill, decode, chunked prefill, prefix hits, preemption and speculative
+decoding are all updates of `num_computed_tokens` against `num_tokens`.
+
+Invariants after every `schedule()`:
+* Σ Δ_r <= max_num_batched_tokens and len(running) <= max_num_seqs;
+* a request's `num_computed_tokens` never decreases, except when it is
+  preempted under recompute (reset to 0) or drafts are rejected (rollback);
+* every RUNNING request owns exactly the KV blocks for its computed tokens
+  plus this step's tokens; WAITING/PREEMPTED/FINISHED requests own none
+  (a swapped request owns CPU blocks instead).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .config import SchedulerConfig
+from .output import SchedulerOutput
+from .policy import running_order, waiting_order
+from .request import EngineCoreOutput, Request, RequestStatus
+from .step import StepState
+from .swap import CpuBlockPool
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_gpu_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        self.config = config
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        from mini_vllm.kvcache import KVCacheManager  # Chapter 2
+
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size,
+                                               enable_caching=enable_prefix_caching)
+        self.cpu_block_pool = CpuBlockPool(config.num_cpu_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.staging: list[Request] = []  # two_level only
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ API
+    def add_request(self, request: Request) -> None:
+        """Queue a request; reject one that could never run (ValueError)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
+                f"max_tokens ({request.max_tokens}) = {total} exceeds max_model_len "
+                f"({self.config.max_model_len})")
+        if cdiv(total, self.block_size) > self.num_gpu_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt + max_tokens = {total} tokens needs "
+                f"{cdiv(total, self.block_size)} KV blocks but the pool has only "
+                f"{self.num_gpu_blocks}; it could never run")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.staging or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.staging) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and their Δ.
+
+        fcfs / priority: running requests first (in policy order), then
+        waiting ones until one does not fit (no skipping: no starvation).
+        srtf / two_level: Algorithm 2 of seed 001 — repeatedly take the
+        request with the smallest remaining Δ among running ∪ candidates,
+        refreshing the candidates' prefix hits after every admission.
+        """
+        st = StepState(self, self.config.max_num_batched_tokens)
+        cfg = self.config
+        if cfg.policy in ("fcfs", "priority"):
+            for req in running_order(self):
+                if st.budget == 0:
+                    break
+                st.schedule_running(req)
+            if not st.preempted:
+                for req in waiting_order(self):
+                    if st.budget == 0 or not st.try_admit(req):
+                        break
+        else:
+            run = running_order(self)  # sorted by remaining Δ; fixed this step
+            cands = waiting_order(self)  # all waiting (srtf) or the staging queue
+            deltas = st.refresh(cands)
+            i = 0
+            while st.budget > 0:
+                admit_ok = cands and not st.preempted and len(self.running) < cfg.max_num_seqs
+                j = min(range(len(cands)), key=deltas.__getitem__) if admit_ok else None
+                if i < len(run) and (j is None or st.remaining(run[i]) <= deltas[j]):
+                    if run[i].status == RequestStatus.RUNNING:
+                        st.schedule_running(run[i])
+                    i += 1
+                elif j is not None:
+                    req = cands.pop(j)
+                    if not st.try_admit(req):
+                        break  # the shortest does not fit: the longer ones will not either
+                    deltas = st.refresh(cands)  # new blocks may be prefix hits for others
+                else:
+                    break
+        return st.finish()
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output) -> list[EngineCoreOutput]:
+        """Append sampled tokens, roll back rejected drafts, apply stop rules."""
+        outputs = []
+        mro = model_runner_output
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since the step was scheduled
+            idx = mro.req_id_to_index.get(req_id)
+            sampled = list(mro.sampled_token_ids[idx]) if idx is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            rejected = 0
+            if drafts:
+                if not 1 <= len(sampled) <= len(drafts) + 1:
+                    raise ValueError(f"request {req_id!r}: verifying {len(drafts)} drafts must "
+                                     f"yield 1..{len(drafts) + 1} tokens, got {len(sampled)}")
+                rejected = len(drafts) - (len(sampled) - 1)
+                req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill chunk: nothing is sampled yet
+            if not sampled:
+                raise ValueError(f"request {req_id!r} completed its tokens this step but the "
+                                 "runner sampled nothing for it")
+            new_ids: list[int] = []
+            status = None
+            for tok in sampled:
+                req.append_output_token_ids(int(tok))
+                new_ids.append(int(tok))
+                status = self._check_stop(req)
+                if status is not None:
+                    break
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(EngineCoreOutput(req_id, new_ids, req.get_finished_reason(), rejected))
+        return outputs
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
+        """Finish requests from the outside (abort), in any state."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, finished_status)
+
+    # ------------------------------------------------------------- internals
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        tok = req.all_token_ids[-1]
+        sp = req.sampling_params
+        if not sp.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if tok in sp.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.staging:
+            self.staging.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache_manager.free(req)
+        if req.swapped_cpu_block_ids:
+            self.cpu_block_pool.free(req.swapped_cpu_block_ids)
+            req.swapped_cpu_block_ids = []
+        req.status = status
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)

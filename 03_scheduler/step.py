@@ -1,0 +1,194 @@
+"""Book-keeping for one `Scheduler.schedule()` call (part of the logic of
+`vllm/v1/core/sched/scheduler.py`, split out to keep files small).
+
+`StepState` holds the remaining token budget and what has been decided so
+far; its methods are the building blocks of the scheduling loop:
+`schedule_running`, `try_admit`, `preempt` (inside them) and `finish`.
+Nothing in a request's `num_computed_tokens` changes until `finish()`,
+except a recompute preemption (reset to 0) and admission (prefix hits).
+"""
+from __future__ import annotations
+
+from .output import CachedRequestData, NewRequestData, SchedulerOutput
+from .request import RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class StepState:
+    def __init__(self, sched, budget: int) -> None:
+        self.s = sched
+        self.kv = sched.kv_cache_manager
+        self.cfg = sched.config
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.spec: dict[str, list[int]] = {}
+        self.new_reqs: list = []
+        self.cached: dict[str, tuple[bool, list[int]]] = {}
+        self.admitted: set[str] = set()
+        self.preempted: set[str] = set()
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.cpu_to_free: list[int] = []
+
+    # ---------------------------------------------------------------- Δ
+    @staticmethod
+    def remaining(req) -> int:
+        return req.num_tokens_with_spec - req.num_computed_tokens
+
+    def delta(self, req, computed: int, total: int) -> int:
+        """Δ = min(remaining, budget left), capped by max_model_len and, for
+        prefills, by long_prefill_token_threshold."""
+        d = min(total - computed, self.budget, self.cfg.max_model_len - computed)
+        thr = self.cfg.long_prefill_token_threshold
+        if thr and req.num_tokens - computed > 1:
+            d = min(d, thr)
+        return d
+
+    def _hits(self, req):
+        """Prefix-cache hit, never covering the last token (it must be computed
+        to sample from it)."""
+        blocks, n = self.kv.get_computed_blocks(req)
+        blocks = list(blocks)
+        while n >= req.num_tokens:
+            blocks.pop()
+            n -= self.s.block_size
+        return blocks, n
+
+    def refresh(self, cands) -> list[int]:
+        """Remaining Δ of each admission candidate after prefix-cache lookup."""
+        out = []
+        for req in cands:
+            if req.swapped_cpu_block_ids:
+                out.append(req.num_tokens - req.num_computed_tokens)
+            else:
+                out.append(req.num_tokens - self._hits(req)[1])
+        return out
+
+    # ------------------------------------------------------------ running
+    def schedule_running(self, req) -> None:
+        if req.status != RequestStatus.RUNNING:
+            return  # preempted earlier in this step
+        d = self.delta(req, req.num_computed_tokens, req.num_tokens_with_spec)
+        if d <= 0:
+            return
+        while True:
+            # Draft positions are lookahead slots: allocated, never hashed.
+            n_spec = max(0, req.num_computed_tokens + d - req.num_tokens)
+            new = self.kv.allocate_slots(req, d - n_spec, num_lookahead_tokens=n_spec)
+            if new is not None:
+                break
+            victim = self.pick_victim()
+            self.preempt(victim)
+            if victim is req:
+                return
+        rid = req.request_id
+        self.budget -= d
+        self.num_scheduled[rid] = d
+        if n_spec:
+            self.spec[rid] = list(req.spec_token_ids[:n_spec])
+        self.cached[rid] = (False, [b.block_id for b in new])
+
+    def pick_victim(self):
+        """Lowest priority (largest value), then latest arrival; requests
+        admitted in this very step are not candidates."""
+        cands = [(r.priority, r.arrival_time, i, r) for i, r in enumerate(self.s.running)
+                 if r.request_id not in self.admitted]
+        return max(cands, key=lambda c: c[:3])[3]
+
+    def preempt(self, victim) -> None:
+        s, rid = self.s, victim.request_id
+        s.running.remove(victim)
+        if rid in self.num_scheduled:  # scheduled earlier this step: undo
+            self.budget += self.num_scheduled.pop(rid)
+            self.spec.pop(rid, None)
+            self.cached.pop(rid, None)
+        n_keep = cdiv(victim.num_computed_tokens, s.block_size)
+        cpu = None
+        if self.cfg.preemption_mode == "swap" and n_keep > 0:
+            cpu = s.cpu_block_pool.allocate(n_keep)
+        if cpu is not None:
+            gpu = self.kv.get_block_ids(rid)[:n_keep]
+            self.swap_out.extend(zip(gpu, cpu))
+            victim.swapped_cpu_block_ids = cpu
+        else:  # recompute (or the CPU pool is full): Table 4.1 preemption row
+            victim.num_computed_tokens = 0
+        self.kv.free(victim)
+        victim.spec_token_ids = []
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        s.num_preemptions += 1
+        s.waiting.appendleft(victim)
+        self.preempted.add(rid)
+
+    # ------------------------------------------------------------ waiting
+    def try_admit(self, req) -> bool:
+        """Move one waiting request to running if its first chunk fits."""
+        s, cfg = self.s, self.cfg
+        if len(s.running) >= cfg.max_num_seqs or self.budget <= 0:
+            return False
+        swapped = bool(req.swapped_cpu_block_ids)
+        if swapped:
+            hit_blocks, n_hit, computed = [], 0, req.num_computed_tokens
+        else:
+            hit_blocks, n_hit = self._hits(req)
+            computed = n_hit
+        d = self.delta(req, computed, req.num_tokens)
+        if d <= 0 or (d < req.num_tokens - computed and not cfg.enable_chunked_prefill):
+            return False
+        if self.kv.allocate_slots(req, d, n_hit, hit_blocks) is None:
+            return False
+        if req in s.staging:
+            s.staging.remove(req)
+        else:
+            s.waiting.remove(req)
+        rid = req.request_id
+        req.status = RequestStatus.RUNNING
+        s.running.append(req)
+        self.admitted.add(rid)
+        self.budget -= d
+        self.num_scheduled[rid] = d
+        block_ids = list(self.kv.get_block_ids(rid))
+        if swapped:
+            cpu = req.swapped_cpu_block_ids
+            self.swap_in.extend(zip(cpu, block_ids[:len(cpu)]))
+            self.cpu_to_free.extend(cpu)
+            req.swapped_cpu_block_ids = []
+            self.cached[rid] = (True, block_ids)
+        else:
+            req.num_computed_tokens = n_hit  # Table 4.1, prefix caching row
+            self.new_reqs.append((req, block_ids))
+        return True
+
+    # ------------------------------------------------------------- output
+    def finish(self) -> SchedulerOutput:
+        s = self.s
+        out = SchedulerOutput(
+            num_scheduled_tokens=dict(self.num_scheduled),
+            total_num_scheduled_tokens=sum(self.num_scheduled.values()),
+            scheduled_spec_decode_tokens=self.spec,
+            preempted_req_ids=set(self.preempted),
+            finished_req_ids=s.finished_req_ids,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+            blocks_to_copy=list(self.kv.take_blocks_to_copy()),
+        )
+        s.finished_req_ids = set()
+        for req, block_ids in self.new_reqs:
+            if req.request_id in self.num_scheduled:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req.request_id, list(req.prompt_token_ids), list(req.all_token_ids),
+                    block_ids, req.num_computed_tokens))
+        for rid, (resumed, ids) in self.cached.items():
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, resumed, ids, s.requests[rid].num_computed_tokens))
+        for rid, d in self.num_scheduled.items():
+            req = s.requests[rid]
+            req.num_computed_tokens += d
+            req.spec_token_ids = []  # consumed (or trimmed away) this step
+        if self.cpu_to_free:
+            s.cpu_block_pool.free(self.cpu_to_free)
+        s.num_steps += 1
+        return out
