@@ -1,1 +1,24 @@
-"""Chapter 4: speculative decoding (rejection sampler and draft proposers)."""
+"""Chapter 4: speculative decoding (rejection sampler and draft proposers).
+
+Public API (also exposed, partly as stubs, by `mini_vllm.spec_decode.exercise`).
+"""
+from .metadata import SpecDecodeMetadata, apply_verify_step, num_accepted_from_output
+from .proposers import DraftModelProposer, NgramProposer, propose_ngram
+from .random_draws import generate_exponential_noise, generate_uniform_probs
+from .rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    recover_token,
+    rejection_sample,
+    rejection_sample_reference,
+    rejection_sample_request,
+)
+from .sampling import SamplingMetadata, apply_top_k_top_p, compute_probs, sample_from_probs
+from .validation import validate_rejection_inputs
+
+__all__ = [
+    "PLACEHOLDER_TOKEN_ID", "DraftModelProposer", "NgramProposer", "RejectionSampler", "SamplingMetadata",
+    "SpecDecodeMetadata", "apply_top_k_top_p", "apply_verify_step", "compute_probs", "generate_exponential_noise",
+    "generate_uniform_probs", "num_accepted_from_output", "propose_ngram", "recover_token", "rejection_sample",
+    "rejection_sample_reference", "rejection_sample_request", "sample_from_probs", "validate_rejection_inputs",
+]

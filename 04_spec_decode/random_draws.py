@@ -1,0 +1,49 @@
+"""Random draws for verification, made *before* the sampler runs.
+
+vLLM counterpart: `generate_uniform_probs` in `vllm/v1/sample/rejection_sampler.py`
+(and the exponential noise its `sample_recovered_tokens` draws).
+
+Every rejection-sampler implementation in the course (per-request reference,
+batched PyTorch, Triton kernel) consumes the same three tensors, so they can be
+compared token for token:
+
+- `uniform_probs [num_draft_tokens_total]`: one U[0, 1) per draft token, for
+  the accept test `u * q(x) < p(x)`.
+- `recovery_noise [batch, vocab]`: Exp(1) per request and vocabulary entry;
+  the recovered token is `argmax(residual / noise)`. One row per request
+  suffices because only the *first* rejection of a request is ever emitted.
+- `bonus_noise [batch, vocab]`: same kind of noise for the bonus token.
+
+Seeded requests draw from their own `torch.Generator` (dict: request index ->
+generator) in a fixed order (uniforms, recovery noise, bonus noise), so their
+draws depend only on their own state, never on batch neighbours. Unseeded
+requests share the global RNG.
+"""
+from __future__ import annotations
+
+import torch
+
+# Exp(1) draws are clamped away from 0 so that `residual / noise` is never 0/0.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+def generate_uniform_probs(num_draft_tokens, generators: dict | None = None, device="cpu") -> torch.Tensor:
+    """U[0, 1) float32 draws, one per draft token, request-major like the drafts."""
+    num_draft_tokens = [int(n) for n in num_draft_tokens]
+    out = torch.rand(sum(num_draft_tokens), dtype=torch.float32, device=device)
+    start = 0
+    for i, n in enumerate(num_draft_tokens):
+        if generators and i in generators and n > 0:
+            out[start : start + n] = torch.rand(n, dtype=torch.float32, generator=generators[i], device=device)
+        start += n
+    return out
+
+
+def generate_exponential_noise(batch_size: int, vocab_size: int, generators: dict | None = None, device="cpu") -> torch.Tensor:
+    """Exp(1) float32 noise [batch, vocab], strictly positive."""
+    out = torch.empty(batch_size, vocab_size, dtype=torch.float32, device=device).exponential_()
+    for i, g in (generators or {}).items():
+        if not 0 <= i < batch_size:
+            raise ValueError(f"generator key {i} must be a request index in [0, {batch_size})")
+        out[i].exponential_(generator=g)
+    return out.clamp_(min=_MIN_NOISE)

@@ -1,0 +1,218 @@
+"""The rejection sampler: verify k draft tokens against the target in one step.
+
+vLLM counterpart: `vllm/v1/sample/rejection_sampler.py` (`rejection_sample`,
+`PLACEHOLDER_TOKEN_ID`, `sample_recovered_tokens`).
+
+Contract shared by `rejection_sample_reference` (per request, readable),
+`rejection_sample` (batched PyTorch) and `mini_vllm.kernels.rejection_sampler`
+(Triton). Inputs, with T = sum(num_draft_tokens), B = batch, V = vocab:
+
+- draft_token_ids [T] int, request-major; num_draft_tokens [B] int (ragged, >= 0)
+- draft_probs [T, V] float32, or None for drafts without probabilities (n-gram)
+- target_probs [T, V] float32: processed target distribution at each draft position
+- bonus_token_ids [B] int: the target's own sample after the last draft
+- is_greedy [B] bool
+- uniform_probs [T], recovery_noise [B, V]: pre-drawn randomness (random_draws.py)
+
+Output [B, max_k + 1] int64: the emitted tokens, then PLACEHOLDER_TOKEN_ID (-1).
+
+Rules per request, walking draft positions i = 0..k-1 with draft x = d_i:
+- greedy: accept while x == argmax(p_i); at the first mismatch emit argmax(p_i), stop.
+- random: accept iff u_i * q_i(x) < p_i(x), i.e. with probability min(1, p/q);
+  without draft probs q_i is one-hot on x, so accept with probability p_i(x).
+  At the first rejection emit argmax(residual / noise) with residual =
+  max(0, p_i - q_i) (a sample from the normalised residual), stop. If the
+  residual is all zero (rounding; only then), recover from p_i instead.
+- if every draft is accepted, emit bonus_token_ids[b] at position k.
+So a request emits between 1 and k + 1 tokens; with k = 0 only the bonus.
+"""
+from __future__ import annotations
+
+import torch
+
+from .validation import validate_rejection_inputs
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def recover_token(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_id: int, noise: torch.Tensor) -> int:
+    """One sample from normalised max(0, p - q) via the exponential race (one position)."""
+    if draft_probs is None:
+        residual = target_probs.clone()
+        residual[draft_token_id] = 0.0
+    else:
+        residual = torch.clamp(target_probs - draft_probs, min=0.0)
+    if float(residual.max()) <= 0.0:
+        residual = target_probs
+    return int((residual / noise).argmax())
+
+
+def rejection_sample_request(
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    bonus_token_id: int,
+    is_greedy: bool,
+    uniform_probs: torch.Tensor,
+    recovery_noise: torch.Tensor,
+) -> list[int]:
+    """Verify one request's drafts; return the emitted tokens (1 to k + 1 of them).
+
+    draft_probs/target_probs [k, V], uniform_probs [k], recovery_noise [V].
+    """
+    out: list[int] = []
+    for i, x in enumerate(draft_token_ids):
+        p = target_probs[i]
+        if is_greedy:
+            best = int(p.argmax())
+            if x != best:
+                return out + [best]
+        else:
+            q_x = 1.0 if draft_probs is None else draft_probs[i, x]
+            # Strict `<` so that p(x) == 0 can never be accepted, even with u == 0.
+            if not bool(uniform_probs[i] * q_x < p[x]):
+                q = None if draft_probs is None else draft_probs[i]
+                return out + [recover_token(p, q, x, recovery_noise)]
+        out.append(int(x))
+    return out + [int(bonus_token_id)]
+
+
+def rejection_sample_reference(
+    draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise,
+    sample_request=None,
+) -> torch.Tensor:
+    """Per-request loop over `rejection_sample_request`; output [B, max_k + 1] with -1 padding.
+
+    `sample_request` swaps in another per-request function (the exercise's).
+    """
+    sample_request = sample_request or rejection_sample_request
+    batch, _, max_k = validate_rejection_inputs(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise
+    )
+    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    start = 0
+    for b in range(batch):
+        k = int(num_draft_tokens[b])
+        sl = slice(start, start + k)
+        tokens = sample_request(
+            draft_token_ids[sl].tolist(),
+            None if draft_probs is None else draft_probs[sl],
+            target_probs[sl],
+            int(bonus_token_ids[b]),
+            bool(is_greedy[b]),
+            uniform_probs[sl],
+            recovery_noise[b],
+        )
+        out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        start += k
+    return out
+
+
+def rejection_sample(
+    draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise
+) -> torch.Tensor:
+    """Batched, vectorised version of `rejection_sample_reference` (same output, same draws).
+
+    Every draft position is judged at once; the first rejection of each request
+    is then found with a cumulative sum, and everything after it is masked.
+    """
+    batch, vocab, max_k = validate_rejection_inputs(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise
+    )
+    device = target_probs.device
+    num_draft_tokens = num_draft_tokens.to(device=device, dtype=torch.int64)
+    total = draft_token_ids.shape[0]
+    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    if batch == 0:
+        return out
+    drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(batch, device=device), num_draft_tokens)
+    starts = torch.cumsum(num_draft_tokens, 0) - num_draft_tokens
+    pos = torch.arange(total, device=device) - starts[req]
+    greedy_tok = is_greedy.to(device)[req]
+
+    # Accept decision per draft token.
+    target_argmax = target_probs.argmax(dim=-1)
+    p_x = target_probs.gather(1, drafts[:, None]).squeeze(1)
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+        q = torch.zeros_like(target_probs).scatter_(1, drafts[:, None], 1.0)
+    else:
+        q_x = draft_probs.gather(1, drafts[:, None]).squeeze(1)
+        q = draft_probs
+    accepted = torch.where(greedy_tok, drafts == target_argmax, uniform_probs.to(device) * q_x < p_x)
+
+    # Recovered token at every position (only the first rejected one is used).
+    residual = torch.clamp(target_probs - q, min=0.0)
+    empty = residual.max(dim=-1).values <= 0.0
+    residual = torch.where(empty[:, None], target_probs, residual)
+    recovered = (residual / recovery_noise[req]).argmax(dim=-1)
+    recovered = torch.where(greedy_tok, target_argmax, recovered)
+
+    # Lay tokens out as [B, max_k]; padding slots count as accepted so they never
+    # look like a first rejection.
+    acc = torch.ones(batch, max_k, dtype=torch.bool, device=device)
+    acc[req, pos] = accepted
+    grid_draft = torch.full((batch, max_k), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    grid_draft[req, pos] = drafts
+    grid_rec = torch.full_like(grid_draft, PLACEHOLDER_TOKEN_ID)
+    grid_rec[req, pos] = recovered
+    rejected = ~acc
+    has_rej = rejected.any(dim=1)
+    first_rej = torch.where(has_rej, rejected.int().argmax(dim=1), num_draft_tokens)  # in [0, k]
+    cols = torch.arange(max_k, device=device)[None, :]
+    out[:, :max_k] = torch.where(cols < first_rej[:, None], grid_draft, out[:, :max_k])
+    rows = torch.arange(batch, device=device)
+    out[rows[has_rej], first_rej[has_rej]] = grid_rec[rows[has_rej], first_rej[has_rej]]
+    out[rows[~has_rej], num_draft_tokens[~has_rej]] = bonus_token_ids.to(device=device, dtype=torch.int64)[~has_rej]
+    return out
+
+
+class RejectionSampler:
+    """End-to-end verify step: logits in, emitted tokens out (vLLM's `RejectionSampler.forward`).
+
+    backend: "reference" (per-request loop), "torch" (batched) or "triton".
+    """
+
+    def __init__(self, backend: str = "torch"):
+        if backend not in ("reference", "torch", "triton"):
+            raise ValueError(f"backend must be 'reference', 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+
+    def __call__(self, metadata, draft_probs, target_logits, sampling, generators=None, draft_logits=None):
+        """metadata: SpecDecodeMetadata; target_logits [sum(k_b + 1), V] (drafts then bonus row per
+        request); draft_probs [T, V] or None; or draft_logits [T, V], which get the same
+        temperature/top-k/top-p processing as the target. Returns [B, max_k + 1] int64."""
+        from .random_draws import generate_exponential_noise, generate_uniform_probs
+        from .sampling import compute_probs, sample_from_probs
+
+        num = metadata.num_draft_tokens
+        batch, vocab = num.shape[0], target_logits.shape[-1]
+        sampling.validate(batch)
+        if target_logits.dim() != 2 or target_logits.shape[0] != int(num.sum()) + batch:
+            raise ValueError(
+                f"target_logits must be [sum(num_draft_tokens + 1) = {int(num.sum()) + batch}, vocab], "
+                f"got {tuple(target_logits.shape)}"
+            )
+        if draft_logits is not None:
+            if draft_probs is not None:
+                raise ValueError("pass draft_probs or draft_logits, not both")
+            draft_probs = compute_probs(draft_logits, sampling, num)
+        target_probs = compute_probs(target_logits[metadata.target_logits_indices], sampling, num)
+        bonus_probs = compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
+        device = target_logits.device
+        # Fixed draw order per seeded request: uniforms, recovery noise, bonus noise.
+        uniform = generate_uniform_probs(num.tolist(), generators, device)
+        recovery_noise = generate_exponential_noise(batch, vocab, generators, device)
+        bonus_noise = generate_exponential_noise(batch, vocab, generators, device)
+        is_greedy = sampling.is_greedy.to(device)
+        bonus = torch.where(is_greedy, bonus_probs.argmax(-1), sample_from_probs(bonus_probs, bonus_noise))
+        args = (metadata.draft_token_ids, num, draft_probs, target_probs, bonus, is_greedy, uniform, recovery_noise)
+        if self.backend == "reference":
+            return rejection_sample_reference(*args)
+        if self.backend == "torch":
+            return rejection_sample(*args)
+        from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
+
+        validate_rejection_inputs(*args)
+        return rejection_sample_triton(*args)
