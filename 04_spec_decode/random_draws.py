@@ -47,3 +47,28 @@ def generate_exponential_noise(batch_size: int, vocab_size: int, generators: dic
             raise ValueError(f"generator key {i} must be a request index in [0, {batch_size})")
         out[i].exponential_(generator=g)
     return out.clamp_(min=_MIN_NOISE)
+
+
+def random_verify_batch(num_draft_tokens, vocab_size: int, is_greedy, with_draft_probs: bool, generator: torch.Generator,
+                        peaked: float = 2.0) -> tuple:
+    """A synthetic verify batch for tests and benchmarks, in the shared argument order.
+
+    Probabilities are softmax(peaked * N(0, 1)) rows; drafts are sampled from
+    the draft rows (or uniformly when there are none); every draw comes from
+    `generator`. Returns (draft_token_ids, num_draft_tokens, draft_probs,
+    target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise).
+    """
+    g = generator
+    num = torch.as_tensor(list(num_draft_tokens), dtype=torch.int64)
+    batch, total = num.shape[0], int(num.sum())
+    target = torch.softmax(peaked * torch.randn(total, vocab_size, generator=g), dim=-1)
+    draft = torch.softmax(peaked * torch.randn(total, vocab_size, generator=g), dim=-1)
+    if total:
+        drafts = torch.multinomial(draft, 1, generator=g).squeeze(1)
+    else:
+        drafts = torch.zeros(0, dtype=torch.int64)
+    bonus = torch.randint(0, vocab_size, (batch,), generator=g)
+    uniform = torch.rand(total, generator=g)
+    noise = torch.empty(batch, vocab_size).exponential_(generator=g).clamp_(min=_MIN_NOISE)
+    greedy = torch.as_tensor(list(is_greedy), dtype=torch.bool).reshape(batch)
+    return drafts, num, draft if with_draft_probs else None, target, bonus, greedy, uniform, noise

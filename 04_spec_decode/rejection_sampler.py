@@ -159,7 +159,8 @@ def rejection_sample(
     grid_rec[req, pos] = recovered
     rejected = ~acc
     has_rej = rejected.any(dim=1)
-    first_rej = torch.where(has_rej, rejected.int().argmax(dim=1), num_draft_tokens)  # in [0, k]
+    first_idx = rejected.int().argmax(dim=1) if max_k else torch.zeros_like(num_draft_tokens)
+    first_rej = torch.where(has_rej, first_idx, num_draft_tokens)  # in [0, k]
     cols = torch.arange(max_k, device=device)[None, :]
     out[:, :max_k] = torch.where(cols < first_rej[:, None], grid_draft, out[:, :max_k])
     rows = torch.arange(batch, device=device)

@@ -105,3 +105,25 @@ def block_layouts(draw, seq_lens, block_size: int, max_extra_blocks: int = 4) ->
 
 def token_id_lists(vocab_size: int = 50, min_size: int = 0, max_size: int = 64):
     return st.lists(st.integers(0, vocab_size - 1), min_size=min_size, max_size=max_size)
+
+
+# --- Chapter 4: speculative decoding ------------------------------------------
+
+@dataclass(frozen=True)
+class VerifyBatchSpec:
+    """Shape of a synthetic verify batch: drafts per request, greedy flags, vocab."""
+
+    num_draft_tokens: tuple[int, ...]
+    is_greedy: tuple[bool, ...]
+    vocab_size: int
+    with_draft_probs: bool
+    seed: int
+
+
+@st.composite
+def verify_batch_specs(draw, max_batch: int = 6, max_k: int = 4, max_vocab: int = 16) -> VerifyBatchSpec:
+    """Ragged drafts (0..max_k per request, empty drafts included), mixed greedy/random."""
+    batch = draw(st.integers(1, max_batch))
+    num = tuple(draw(st.lists(st.integers(0, max_k), min_size=batch, max_size=batch)))
+    greedy = tuple(draw(st.lists(st.booleans(), min_size=batch, max_size=batch)))
+    return VerifyBatchSpec(num, greedy, draw(st.integers(1, max_vocab)), draw(st.booleans()), draw(st.integers(0, 2**31 - 1)))
