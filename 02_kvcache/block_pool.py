@@ -1,0 +1,130 @@
+"""The block pool: every physical block, the LRU free queue and the hash map.
+
+vLLM counterpart: `vllm/v1/core/block_pool.py` (`BlockPool`).
+
+Invariants (checked by `tests/test_ch2_stateful.py` after every step)
+--------------------------------------------------------------------
+* Every block is either in the free queue with `ref_cnt == 0`, or out of it
+  with `ref_cnt > 0`; never both, never neither.
+* `num_free_blocks + num_used_blocks == num_blocks`.
+* `cached_block_hash_to_block[h][block_id] is block`  <=>  `block.block_hash == h`.
+  A hash may map to several blocks (a multimap): two requests that miss on the
+  same prefix at the same time each compute their own copy.
+* A free block may still carry a hash: it is "cached but evictable". A hit on
+  it takes it out of the queue (lazy removal, `touch`); reusing it for new
+  tokens evicts the hash (`get_new_blocks`).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # hash -> {block_id: block}; the inner dict makes removal O(1).
+        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+
+    # ---- lookup -----------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """Any block whose content has `block_hash`, or None on a miss."""
+        entry = self.cached_block_hash_to_block.get(block_hash)
+        if not entry:
+            return None
+        return next(iter(entry.values()))
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                          num_cached_blocks: int, num_full_blocks: int) -> None:
+        """Record `blocks[num_cached_blocks:num_full_blocks]` under their hashes.
+
+        `block_hashes[i]` is the hash of logical block i; the caller guarantees
+        those blocks are now full. Blocks before `num_cached_blocks` are cached
+        already (earlier steps, or prefix hits).
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        if num_full_blocks > len(blocks) or num_full_blocks > len(block_hashes):
+            raise ValueError(
+                f"num_full_blocks={num_full_blocks} exceeds blocks ({len(blocks)}) or "
+                f"hashes ({len(block_hashes)})")
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            h = block_hashes[i]
+            block.block_hash = h  # raises if a stale hash is still attached
+            self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+
+    # ---- allocation -------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` blocks from the head of the free queue, ref_cnt = 1 each.
+
+        A popped block that still carries a hash is evicted from the cache here.
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only "
+                f"{self.free_block_queue.num_free_blocks} free")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt += 1
+        return blocks
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        h = block.block_hash
+        if h is None:
+            return False
+        entry = self.cached_block_hash_to_block.get(h)
+        if entry is not None:
+            entry.pop(block.block_id, None)
+            if not entry:
+                del self.cached_block_hash_to_block[h]
+        block.reset_hash()
+        return True
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (a prefix hit or a fork).
+
+        A free block (ref_cnt 0) is unlinked from the queue so it can no longer
+        be evicted; it keeps its hash.
+        """
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block; blocks reaching 0 join the tail, in order.
+
+        Pass blocks in eviction order (first = evicted first): the manager
+        passes a request's blocks tail first.
+        """
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id} (ref_cnt={block.ref_cnt})")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    # ---- maintenance --------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (returns False) while a block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
