@@ -53,13 +53,17 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
 def hash_request_tokens(block_size: int, token_ids: Sequence[int],
                         cache_salt: str | None = None,
                         parent_hash: bytes | None = None,
-                        start_block: int = 0) -> list[bytes]:
+                        start_block: int = 0,
+                        hash_fn=None) -> list[bytes]:
     """Hashes of the full blocks of `token_ids` (a trailing partial block is skipped).
 
     `parent_hash` / `start_block` continue an existing chain: block
     `start_block` is hashed with `parent_hash` as parent. The salt is applied
-    only to block 0.
+    only to block 0. `hash_fn` defaults to `hash_block_tokens` (the exercise
+    passes the learner's version).
     """
+    if hash_fn is None:
+        hash_fn = hash_block_tokens
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if start_block < 0:
@@ -72,6 +76,6 @@ def hash_request_tokens(block_size: int, token_ids: Sequence[int],
     num_full = len(token_ids) // block_size
     for i in range(start_block, num_full):
         extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None
-        prev = hash_block_tokens(prev, token_ids[i * block_size:(i + 1) * block_size], extra)
+        prev = hash_fn(prev, token_ids[i * block_size:(i + 1) * block_size], extra)
         hashes.append(prev)
     return hashes

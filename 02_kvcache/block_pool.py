@@ -22,13 +22,16 @@ from .kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 class BlockPool:
+    #: The free-queue class; the exercise swaps in the learner's queue here.
+    free_queue_cls = FreeKVCacheBlockQueue
+
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = self.free_queue_cls(self.blocks)
         # hash -> {block_id: block}; the inner dict makes removal O(1).
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
 

@@ -38,12 +38,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
+    #: Pluggable pieces; the exercise swaps in the learner's versions.
+    block_pool_cls = BlockPool
+    hash_request_tokens = staticmethod(hash_request_tokens)
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = self.block_pool_cls(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_block_hashes: dict[str, list[bytes]] = {}
@@ -75,7 +79,7 @@ class KVCacheManager:
         """The request's block-hash list, extended to cover `num_full_blocks` blocks."""
         hashes = self._req_block_hashes.setdefault(request.request_id, [])
         if len(hashes) < num_full_blocks:
-            hashes.extend(hash_request_tokens(
+            hashes.extend(self.hash_request_tokens(
                 self.block_size, request.all_token_ids[:num_full_blocks * self.block_size],
                 cache_salt=request.cache_salt,
                 parent_hash=hashes[-1] if hashes else None, start_block=len(hashes)))
