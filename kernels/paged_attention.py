@@ -1,0 +1,201 @@
+"""Triton paged attention: decode and varlen (decode + prefill + chunks).
+
+vLLM counterparts: `paged_attention_v1` (`csrc/attention/paged_attention_v1.cu`)
+for decode, and the unified Triton kernel
+(`vllm/attention/ops/triton_unified_attention.py`) for a ragged mix of decodes,
+whole prefills, chunked prefills and prefills after a prefix-cache hit.
+Same signatures and errors as the PyTorch reference in
+`mini_vllm.paged_attention`.
+
+One kernel body serves both entry points. A program owns one KV head of one
+sequence and a tile of that sequence's queries; it stacks the query tile x
+the whole query group of the KV head (GQA) into the M rows of a `tl.dot`, and
+walks the sequence's keys in BLOCK_N-wide tiles with an online softmax
+(running max, running sum, fp32 accumulator). A key tile may span several
+cache blocks (block size 8 still gives a 16-wide dot): each key position looks
+up its own physical block in the block table.
+
+Invariants: only key positions < seq_len are loaded (masked loads), so NaN or
+stale data past seq_len, in unused blocks or behind -1 table entries is never
+read; query t of a sequence sits at position seq_len - q_len + t and sees keys
+0 .. that position; key 0 is visible to every row, so the first tile makes
+the running max finite and later fully masked tiles add exp(-inf) = 0.
+Arithmetic: fp32 softmax and accumulators. fp32 caches use IEEE fp32 dots
+(no TF32); fp16/bf16 caches on a GPU feed their native dtype to the tensor
+cores with fp32 accumulation (the fast path); under the interpreter everything
+is cast to fp32 first, because it gets bf16 arithmetic wrong.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_checks import check_cu_seqlens_q, check_query, check_scale, check_table_entries
+from .validation import check_block_tables, check_kv_cache, check_num_heads
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    num_seqs, qk_scale_log2,
+    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2,
+    kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    DECODE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    """Grid, decode: (num_seqs, num_kv_heads). One query per sequence, so a
+    program is exactly one (sequence, KV head) pair and its GROUP query heads
+    fill the M rows (padded to BLOCK_M >= 16).
+
+    Grid, varlen: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). Axis 0
+    enumerates query tiles of BLOCK_Q tokens over the whole batch; sequence s
+    owns tiles starting at cu_seqlens_q[s] // BLOCK_Q + s, which bounds the
+    count by num_tokens // BLOCK_Q + num_seqs. That bound is known on the host
+    without reading cu_seqlens_q back, long prefills get many programs (not
+    one huge one), and a decode costs a single tile. A program finds its
+    sequence by binary search over cu_seqlens_q; the few spare programs return.
+    """
+    kv_head = tl.program_id(1)
+    if DECODE:
+        seq = tl.program_id(0)
+        q_start = seq
+        q_len = 1
+        q_tile = 0
+    else:
+        pid = tl.program_id(0)
+        lo = 0
+        hi = num_seqs
+        while hi - lo > 1:  # last sequence whose first tile index is <= pid
+            mid = (lo + hi) // 2
+            first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(first <= pid, mid, lo)
+            hi = tl.where(first <= pid, hi, mid)
+        seq = lo
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        context_len = seq_len - q_len
+
+        # Row r of the tile = query token r // GROUP_P, head r % GROUP_P of the group.
+        r = tl.arange(0, BLOCK_M)
+        t = q_tile * BLOCK_Q + r // GROUP_P
+        head = kv_head * GROUP + r % GROUP_P
+        row_ok = (r // GROUP_P < BLOCK_Q) & (t < q_len) & (r % GROUP_P < GROUP)
+        q_pos = context_len + t
+        d = tl.arange(0, HEAD_DIM_P)
+        d_ok = d < HEAD_DIM
+        tok = (q_start + t).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * q_s0 + head[:, None] * q_s1 + d[None, :] * q_s2,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+        # Causal: the tile's last query sees keys up to context_len + its index.
+        kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
+        bt_row = block_tables_ptr + seq * bt_s0
+        n = tl.arange(0, BLOCK_N)
+        for start in range(0, kv_end, BLOCK_N):
+            pos = start + n
+            k_ok = pos < kv_end
+            # Physical block of every key position; -1 entries sit past seq_len, never loaded.
+            phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            off = (pos % BLOCK_SIZE).to(tl.int64)
+            kv_mask = k_ok[None, :] & d_ok[:, None]
+            k = tl.load(k_cache_ptr + phys[None, :] * kc_s0 + off[None, :] * kc_s1 + kv_head * kc_s2
+                        + d[:, None] * kc_s3, mask=kv_mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
+            v = tl.load(v_cache_ptr + phys[:, None] * vc_s0 + off[:, None] * vc_s1 + kv_head * vc_s2
+                        + d[None, :] * vc_s3, mask=kv_mask.T, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+            if NATIVE_DOT:
+                s = tl.dot(q, k)
+            else:
+                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            s = s * qk_scale_log2  # log2 domain: exp2 is the cheap exponential
+            visible = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if NATIVE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            m_i = m_new
+        # Every real row saw key 0, so l_i >= 1; the guard only spares padding rows.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * o_s0 + head[:, None] * o_s1 + d[None, :] * o_s2,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs):
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_num_heads(query.shape[1], num_kv_heads)
+    check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)
+    check_table_entries(block_tables, seq_lens, block_size, num_blocks)
+    check_scale(scale)
+    return block_size, num_kv_heads, head_dim
+
+
+def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode):
+    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    group = query.shape[1] // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    if decode:
+        block_q, block_m = 1, max(16, group_p)
+        grid = (num_seqs, num_kv_heads)
+    else:
+        block_m = max(64, group_p)  # 64 query rows per tile: big enough to reuse each K/V load
+        block_q = block_m // group_p
+        grid = (query.shape[0] // block_q + num_seqs, num_kv_heads)
+    # Key tile: at least one cache block and at least 16 (tl.dot's minimum).
+    block_n = max(32, triton.next_power_of_2(block_size))
+    native = key_cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out, block_tables, seq_lens,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,  # unused in decode
+        num_seqs, float(scale) * LOG2E,
+        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
+        DECODE=decode, NATIVE_DOT=native,
+    )
+    return out
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """One new token per sequence: query [num_seqs, num_heads, head_dim] is
+    position seq_len - 1 and sees all seq_len cached positions. Returns a
+    tensor of query's shape and dtype."""
+    num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
+    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, None, scale, decode=True)
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """query [num_tokens, num_heads, head_dim]; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len_i positions, attended
+    causally. Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode=False)

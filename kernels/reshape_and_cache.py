@@ -1,0 +1,83 @@
+"""Triton `reshape_and_cache`: scatter new keys/values into the paged cache.
+
+vLLM counterparts: `reshape_and_cache` / `reshape_and_cache_flash` in
+`csrc/cache_kernels.cu`, and the Triton port
+`vllm/attention/ops/triton_reshape_and_cache_flash.py`. Same signature and
+errors as the PyTorch reference `mini_vllm.paged_attention.reshape_and_cache`.
+
+Invariants: slot = block * block_size + offset; slot -1 marks a padding token
+and writes nothing; real slots are in [0, num_blocks * block_size) and are
+distinct within one call (the scheduler guarantees it). Values are copied
+bit for bit (no arithmetic, so bf16 is safe under the interpreter).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_checks import INDEX_DTYPES
+from .validation import check_kv_cache, check_tensor
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+    kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid: (num_tokens,). One program copies one token's whole
+    [num_kv_heads, head_dim] tile of K and of V: a token is the unit the slot
+    mapping addresses, and one tile per token keeps every load/store a single
+    vectorised access. Padding tokens (slot -1) mask everything off."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim) & (slot >= 0)
+    tok64 = tok.to(tl.int64)
+    k = tl.load(key_ptr + tok64 * k_s0 + h * k_s1 + d * k_s2, mask=mask)
+    v = tl.load(value_ptr + tok64 * v_s0 + h * v_s1 + d * v_s2, mask=mask)
+    tl.store(key_cache_ptr + block * kc_s0 + offset * kc_s1 + h * kc_s2 + d * kc_s3, k, mask=mask)
+    tl.store(value_cache_ptr + block * vc_s0 + offset * vc_s1 + h * vc_s2 + d * vc_s3, v, mask=mask)
+
+
+def _validate(key, value, key_cache, value_cache, slot_mapping):
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
+    dev = key_cache.device
+    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=dev)
+    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=dev)
+    if key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key shape {tuple(key.shape)} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    num_slots = num_blocks * block_size
+    # One host read-back for the range check (a CUDA build would skip it).
+    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots}), got range "
+                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    return block_size, num_kv_heads, head_dim
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """key, value [num_tokens, num_kv_heads, head_dim] -> key_cache, value_cache
+    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping; in place."""
+    block_size, num_kv_heads, head_dim = _validate(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
