@@ -1,7 +1,7 @@
 """Chapter 4: rejection-sampler rules, batched == per-request reference, seeding, bad input."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mini_vllm.spec_decode.random_draws import random_verify_batch
 from strategies import verify_batch_specs
@@ -140,6 +140,7 @@ def test_seeded_request_is_deterministic_whatever_its_neighbours(chapter):
     assert len(results) == 1, f"a seeded request's output depended on its batch neighbours: {results}"
 
 
+@settings(max_examples=10)
 @given(st.integers(2, 16), st.integers(1, 4), st.integers(0, 16), st.floats(0.05, 1.0), st.integers(0, 2**31 - 1))
 def test_emitted_tokens_stay_inside_top_k_top_p_set(chapter, vocab, k, top_k, top_p, seed):
     sd = chapter("spec_decode")
