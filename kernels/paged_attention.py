@@ -37,6 +37,14 @@ from .paged_checks import check_cu_seqlens_q, check_query, check_scale, check_ta
 from .validation import check_block_tables, check_kv_cache, check_num_heads
 
 LOG2E = 1.4426950408889634
+# Tile sizes: query rows per varlen tile, keys per inner step, warps. Picked
+# by a sweep on an H100 (fp16, head_dim 128, GQA 4, 2048-token sequences):
+# BLOCK_M 64-128 x BLOCK_N 32 x 4 warps was fastest for both decode and
+# prefill; wider key tiles or 8 warps were 5-50% slower. Module-level so a
+# benchmark or a test can change them.
+VARLEN_BLOCK_M = 64
+BLOCK_N = {"decode": 32, "varlen": 32}
+NUM_WARPS = {"decode": 4, "varlen": 4}
 
 
 @triton.jit
@@ -164,11 +172,11 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         block_q, block_m = 1, max(16, group_p)
         grid = (num_seqs, num_kv_heads)
     else:
-        block_m = max(64, group_p)  # 64 query rows per tile: big enough to reuse each K/V load
+        block_m = max(VARLEN_BLOCK_M, group_p)  # many query rows share each K/V load
         block_q = block_m // group_p
         grid = (query.shape[0] // block_q + num_seqs, num_kv_heads)
-    # Key tile: at least one cache block and at least 16 (tl.dot's minimum).
-    block_n = max(32, triton.next_power_of_2(block_size))
+    kind = "decode" if decode else "varlen"
+    block_n = max(BLOCK_N[kind], triton.next_power_of_2(block_size))
     native = key_cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens,
@@ -177,7 +185,7 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
-        DECODE=decode, NATIVE_DOT=native,
+        DECODE=decode, NATIVE_DOT=native, num_warps=NUM_WARPS[kind],
     )
     return out
 
