@@ -10,10 +10,13 @@ vLLM sources to read next: `vllm/v1/worker/block_table.py`,
 `csrc/cache_kernels.cu`, `csrc/attention/paged_attention_v1.cu`,
 `vllm/attention/ops/triton_unified_attention.py`, `vllm/v1/core/block_pool.py`.
 """
-from .attention import gather_kv, paged_attention_decode, paged_attention_varlen
-from .cache_ops import reshape_and_cache
-from .kv_cache import BlockAllocator, NoFreeBlocksError, allocate_kv_cache
-from .slot_mapping import compute_slot_mapping
+# Absolute imports on purpose: pytest (collecting this folder's notebook with
+# --nbmake) imports this file as a top-level module, since "01_paged_attention"
+# is not a valid package name, and relative imports would fail there.
+from mini_vllm.paged_attention.attention import gather_kv, paged_attention_decode, paged_attention_varlen
+from mini_vllm.paged_attention.cache_ops import reshape_and_cache
+from mini_vllm.paged_attention.kv_cache import BlockAllocator, NoFreeBlocksError, allocate_kv_cache
+from mini_vllm.paged_attention.slot_mapping import compute_slot_mapping
 
 __all__ = [
     "BlockAllocator",
