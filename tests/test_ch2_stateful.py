@@ -170,8 +170,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         for b in pool.blocks:
             assert (b.block_hash is not None) == (b.block_id in mapped), "hashed block missing from map"
             if b.block_hash is not None:
+                assert all(c is not None for c in self.contents[b.block_id]), \
+                    f"block {b.block_id} is hashed but not full of computed tokens (stale hash?)"
                 salt, prefix = self.contents[b.block_id][-1]
-                assert all(c is not None for c in self.contents[b.block_id]), "hashed a non-full block"
                 want = self.mod.hash_request_tokens(self.bs, list(prefix), salt)[-1]
                 assert b.block_hash == want, f"block {b.block_id} hash does not match its contents"
         s = self.m.prefix_cache_stats
