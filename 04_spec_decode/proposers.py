@@ -29,8 +29,9 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     tokens[i+n : i+n+k] (fewer if the context ends first). The first n with a
     match wins; no match for any n gives [].
 
-    Cost: one vectorised O(len * n) window comparison per n (numpy), so linear in
-    the context length for the small n used in practice, not quadratic.
+    Cost: vectorised O(len * n) window comparisons per n (numpy), newest
+    windows first, so linear in the context length for the small n used in
+    practice, not quadratic, and much less when the match is recent.
     """
     if min_n < 1 or max_n < min_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
@@ -41,13 +42,20 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     if k == 0:
         return []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Candidate starts 0..length-n-1: the window must end before the suffix
-        # starts being itself, i.e. something must follow it.
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
-        hits = np.flatnonzero((windows == arr[length - n :]).all(axis=1))
-        if hits.size:
-            i = int(hits[-1])
-            return arr[i + n : i + n + k].tolist()
+        suffix = arr[length - n :]
+        # Candidate starts are 0..length-n-1 (something must follow the match).
+        # Scan them newest first in geometrically growing chunks: a recent match
+        # (the common case in repetitive text) is found after a few hundred
+        # comparisons, and a miss still costs O(length * n) in total.
+        hi, chunk = length - n, 256
+        while hi > 0:
+            lo = max(0, hi - chunk)
+            windows = np.lib.stride_tricks.sliding_window_view(arr[lo : hi + n - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                i = lo + int(hits[-1])
+                return arr[i + n : i + n + k].tolist()
+            hi, chunk = lo, chunk * 2
     return []
 
 

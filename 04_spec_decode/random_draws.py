@@ -50,10 +50,12 @@ def generate_exponential_noise(batch_size: int, vocab_size: int, generators: dic
 
 
 def random_verify_batch(num_draft_tokens, vocab_size: int, is_greedy, with_draft_probs: bool, generator: torch.Generator,
-                        peaked: float = 2.0) -> tuple:
+                        peaked: float = 2.0, draft_jitter: float | None = None) -> tuple:
     """A synthetic verify batch for tests and benchmarks, in the shared argument order.
 
-    Probabilities are softmax(peaked * N(0, 1)) rows; drafts are sampled from
+    Probabilities are softmax(peaked * N(0, 1)) rows (with draft_jitter, the
+    draft logits are the target's plus draft_jitter * N(0, 1), so the two
+    mostly agree, as a good draft model does); drafts are sampled from
     the draft rows (or uniformly when there are none); every draw comes from
     `generator`. Returns (draft_token_ids, num_draft_tokens, draft_probs,
     target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise).
@@ -61,8 +63,12 @@ def random_verify_batch(num_draft_tokens, vocab_size: int, is_greedy, with_draft
     g = generator
     num = torch.as_tensor(list(num_draft_tokens), dtype=torch.int64)
     batch, total = num.shape[0], int(num.sum())
-    target = torch.softmax(peaked * torch.randn(total, vocab_size, generator=g), dim=-1)
-    draft = torch.softmax(peaked * torch.randn(total, vocab_size, generator=g), dim=-1)
+    target_logits = peaked * torch.randn(total, vocab_size, generator=g)
+    target = torch.softmax(target_logits, dim=-1)
+    if draft_jitter is None:
+        draft = torch.softmax(peaked * torch.randn(total, vocab_size, generator=g), dim=-1)
+    else:
+        draft = torch.softmax(target_logits + draft_jitter * torch.randn(total, vocab_size, generator=g), dim=-1)
     if total:
         drafts = torch.multinomial(draft, 1, generator=g).squeeze(1)
     else:

@@ -114,7 +114,8 @@ def rejection_sample(
     """Batched, vectorised version of `rejection_sample_reference` (same output, same draws).
 
     Every draft position is judged at once; the first rejection of each request
-    is then found with a cumulative sum, and everything after it is masked.
+    is found with an argmax over the [B, max_k] reject grid, everything after
+    it is masked, and the residual is sampled only at that one position.
     """
     batch, vocab, max_k = validate_rejection_inputs(
         draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise
@@ -132,40 +133,48 @@ def rejection_sample(
     greedy_tok = is_greedy.to(device)[req]
 
     # Accept decision per draft token.
-    target_argmax = target_probs.argmax(dim=-1)
+    # Argmax only where a greedy request needs it (a full pass over V per row).
+    target_argmax = torch.full_like(drafts, PLACEHOLDER_TOKEN_ID)
+    greedy_rows = torch.nonzero(greedy_tok).squeeze(1)
+    target_argmax[greedy_rows] = target_probs[greedy_rows].argmax(dim=-1)
     p_x = target_probs.gather(1, drafts[:, None]).squeeze(1)
     if draft_probs is None:
         q_x = torch.ones_like(p_x)
-        q = torch.zeros_like(target_probs).scatter_(1, drafts[:, None], 1.0)
     else:
         q_x = draft_probs.gather(1, drafts[:, None]).squeeze(1)
-        q = draft_probs
     accepted = torch.where(greedy_tok, drafts == target_argmax, uniform_probs.to(device) * q_x < p_x)
 
-    # Recovered token at every position (only the first rejected one is used).
-    residual = torch.clamp(target_probs - q, min=0.0)
-    empty = residual.max(dim=-1).values <= 0.0
-    residual = torch.where(empty[:, None], target_probs, residual)
-    recovered = (residual / recovery_noise[req]).argmax(dim=-1)
-    recovered = torch.where(greedy_tok, target_argmax, recovered)
-
-    # Lay tokens out as [B, max_k]; padding slots count as accepted so they never
-    # look like a first rejection.
+    # Lay accept decisions out as [B, max_k]; padding slots count as accepted so
+    # they never look like a first rejection.
     acc = torch.ones(batch, max_k, dtype=torch.bool, device=device)
     acc[req, pos] = accepted
-    grid_draft = torch.full((batch, max_k), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    grid_draft[req, pos] = drafts
-    grid_rec = torch.full_like(grid_draft, PLACEHOLDER_TOKEN_ID)
-    grid_rec[req, pos] = recovered
     rejected = ~acc
     has_rej = rejected.any(dim=1)
     first_idx = rejected.int().argmax(dim=1) if max_k else torch.zeros_like(num_draft_tokens)
     first_rej = torch.where(has_rej, first_idx, num_draft_tokens)  # in [0, k]
+
+    # Accepted drafts before the first rejection.
+    grid_draft = torch.full((batch, max_k), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    grid_draft[req, pos] = drafts
     cols = torch.arange(max_k, device=device)[None, :]
     out[:, :max_k] = torch.where(cols < first_rej[:, None], grid_draft, out[:, :max_k])
-    rows = torch.arange(batch, device=device)
-    out[rows[has_rej], first_rej[has_rej]] = grid_rec[rows[has_rej], first_rej[has_rej]]
-    out[rows[~has_rej], num_draft_tokens[~has_rej]] = bonus_token_ids.to(device=device, dtype=torch.int64)[~has_rej]
+
+    # Recovered token, computed only at each request's first rejected position
+    # (at most B rows of the vocabulary, not T).
+    rows = torch.nonzero(has_rej).squeeze(1)
+    t = starts[rows] + first_rej[rows]
+    p = target_probs[t]
+    q = draft_probs[t] if draft_probs is not None else torch.zeros_like(p).scatter_(1, drafts[t, None], 1.0)
+    residual = torch.clamp(p - q, min=0.0)
+    empty = residual.max(dim=-1).values <= 0.0 if rows.numel() else torch.zeros(0, dtype=torch.bool, device=device)
+    residual = torch.where(empty[:, None], p, residual)
+    recovered = (residual / recovery_noise[rows]).argmax(dim=-1)
+    recovered = torch.where(greedy_tok[t], target_argmax[t], recovered)
+    out[rows, first_rej[rows]] = recovered
+
+    # Bonus token where every draft was accepted.
+    full = torch.nonzero(~has_rej).squeeze(1)
+    out[full, num_draft_tokens[full]] = bonus_token_ids.to(device=device, dtype=torch.int64)[full]
     return out
 
 

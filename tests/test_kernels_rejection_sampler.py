@@ -8,6 +8,13 @@ from mini_vllm.spec_decode import rejection_sample_reference
 from mini_vllm.spec_decode.random_draws import random_verify_batch
 from strategies import verify_batch_specs
 
+# Compiled on a GPU when there is one; otherwise the interpreter runs on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(args):
+    return [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+
 
 @settings(max_examples=20)
 @given(verify_batch_specs(max_vocab=40), st.sampled_from([4, 16, 64]))
@@ -16,7 +23,7 @@ def test_kernel_equals_reference(spec, block_v):
     args = random_verify_batch(spec.num_draft_tokens, spec.vocab_size, spec.is_greedy, spec.with_draft_probs,
                                torch.Generator().manual_seed(spec.seed))
     want = rejection_sample_reference(*args)
-    got = rejection_sample_triton(*args, block_v=block_v)
+    got = rejection_sample_triton(*on_device(args), block_v=block_v).cpu()
     assert torch.equal(got, want), f"kernel disagrees with the reference on identical draws:\n{got}\n{want}"
 
 
@@ -33,7 +40,7 @@ def test_kernel_ties_go_to_lowest_index(with_draft_probs):
             torch.full((4,), 0.99), torch.ones(2, vocab))
     want = rejection_sample_reference(*args)
     for block_v in (4, 16):
-        assert torch.equal(rejection_sample_triton(*args, block_v=block_v), want), "tie-breaking differs from torch.argmax"
+        assert torch.equal(rejection_sample_triton(*on_device(args), block_v=block_v).cpu(), want), "tie-breaking differs from torch.argmax"
 
 
 def test_kernel_bad_shapes_raise():
