@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from oracles import dense_causal_attention
-from strategies import block_layouts, block_sizes, gqa_shapes, ragged_batches
+from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -54,8 +54,6 @@ def cases(draw, decode_only=False):
     shape = draw(gqa_shapes())
     dtype = draw(st.sampled_from(DTYPES))
     return batch, layout, shape, dtype
-
-
 
 
 def _check_varlen(pa, batch, layout, shape, dtype):
@@ -104,8 +102,6 @@ def test_decode_matches_dense_oracle(chapter):
 def test_every_gqa_ratio_and_block_size_with_partial_last_block(chapter, ratio, block_size):
     """Explicit grid, so no GQA ratio or block size depends on hypothesis luck.
     seq_len 37 is not a multiple of any block size; q_lens cover 1, a chunk and the whole prompt."""
-    from strategies import BlockLayout, GQAShape, RaggedBatch
-
     pa = chapter("paged_attention")
     batch = RaggedBatch(seq_lens=(37, 37, 37, 5), q_lens=(1, 12, 37, 5))
     needed = [-(-s // block_size) for s in batch.seq_lens]
@@ -121,8 +117,6 @@ def test_every_gqa_ratio_and_block_size_with_partial_last_block(chapter, ratio, 
 def test_minus_one_padding_never_wraps_to_last_block(chapter):
     """Rows padded with -1; the last physical block (where -1 would wrap) is all NaN
     and belongs to nobody, so using a -1 entry as an index would show as NaN."""
-    from strategies import BlockLayout, GQAShape, RaggedBatch
-
     pa = chapter("paged_attention")
     batch = RaggedBatch(seq_lens=(9, 3), q_lens=(1, 1))
     layout = BlockLayout(num_blocks=5, block_size=8, block_tables=((2, 0, -1, -1), (1, -1, -1, -1)))
@@ -131,8 +125,6 @@ def test_minus_one_padding_never_wraps_to_last_block(chapter):
 
 def test_decode_equals_varlen_with_q_len_one(chapter):
     """The two entry points must agree on decode batches (the engine may call either)."""
-    from strategies import BlockLayout, GQAShape, RaggedBatch
-
     pa = chapter("paged_attention")
     batch = RaggedBatch(seq_lens=(17, 1, 32), q_lens=(1, 1, 1))
     layout = BlockLayout(8, 16, ((5, 2), (0, -1), (7, 3)))

@@ -42,7 +42,6 @@ def test_thesis_block_table_translation_example(chapter):
     assert (out - expected).abs().max() <= 1e-5, "attention over blocks 7, 1, 3 must equal dense attention over 9 tokens"
 
 
-
 def test_slot_mapping_matches_hand_oracle(chapter):
     pa = chapter("paged_attention")
 
