@@ -12,7 +12,7 @@ sequence and a tile of that sequence's queries; it stacks the query tile x
 the whole query group of the KV head (GQA) into the M rows of a `tl.dot`, and
 walks the sequence's keys in BLOCK_N-wide tiles with an online softmax
 (running max, running sum, fp32 accumulator). A key tile may span several
-cache blocks (block size 8 still gives a 16-wide dot): each key position looks
+cache blocks (block size 8 still feeds a 32-wide dot; tl.dot needs >= 16): each key position looks
 up its own physical block in the block table.
 
 Invariants: only key positions < seq_len are loaded (masked loads), so NaN or
@@ -24,6 +24,11 @@ Arithmetic: fp32 softmax and accumulators. fp32 caches use IEEE fp32 dots
 (no TF32); fp16/bf16 caches on a GPU feed their native dtype to the tensor
 cores with fp32 accumulation (the fast path); under the interpreter everything
 is cast to fp32 first, because it gets bf16 arithmetic wrong.
+
+Host synchronisation: the launch itself needs none; both grids come from
+tensor shapes (num_tokens, num_seqs, num_kv_heads), never from the values of
+cu_seqlens_q or seq_lens. The argument checks do read small index tensors
+back (a handful of vectorised reads per call, no per-sequence `.item()`).
 """
 from __future__ import annotations
 
