@@ -21,6 +21,8 @@ from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_
 
 ref = pytest.importorskip("mini_vllm.paged_attention")
 
+# CPU under the Triton interpreter here; the real GPU path on a CUDA machine.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
@@ -43,13 +45,13 @@ def build_cache(batch, layout, shape, dtype, seed):
         ks.append(k)
         vs.append(v)
         qs.append(torch.randn(q, shape.num_heads, shape.head_dim, generator=g).to(dtype))
-    tables = torch.tensor(layout.block_tables, dtype=torch.int32)
-    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-    return key_cache, value_cache, tables, seq_lens, ks, vs, qs
+    tables = torch.tensor(layout.block_tables, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+    return key_cache.to(DEVICE), value_cache.to(DEVICE), tables, seq_lens, ks, vs, qs
 
 
 def max_err(out, expected):
-    return (out.float() - expected.float()).abs().max().item()
+    return (out.float().cpu() - expected.float().cpu()).abs().max().item()
 
 
 def assert_close(out, expected, dtype, what):
@@ -62,8 +64,8 @@ def assert_close(out, expected, dtype, what):
 def check_varlen(batch, layout, shape, dtype, seed=0):
     key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, dtype, seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.int32)
-    query = torch.cat(qs)
+    cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.int32, device=DEVICE)
+    query = torch.cat(qs).to(DEVICE)
     out = paged_attention_varlen(query, key_cache, value_cache, tables, cu, seq_lens, scale)
     assert out.shape == query.shape and out.dtype == dtype, "output must have query's shape and dtype"
     for i in range(batch.num_seqs):
@@ -78,7 +80,7 @@ def check_varlen(batch, layout, shape, dtype, seed=0):
 def check_decode(batch, layout, shape, dtype, seed=0):
     key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, dtype, seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    query = torch.cat(qs)
+    query = torch.cat(qs).to(DEVICE)
     out = paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, scale)
     assert out.shape == query.shape and out.dtype == dtype, "output must have query's shape and dtype"
     for i in range(batch.num_seqs):
@@ -158,9 +160,11 @@ def test_reshape_and_cache_scatters_and_skips_padding(data):
     key = torch.randn(n, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
     value = torch.randn(n, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
     cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
-    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots, dtype=index_dtype))
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    slot_mapping = torch.tensor(slots, dtype=index_dtype, device=DEVICE)
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slot_mapping)
+    key_cache, value_cache = key_cache.cpu(), value_cache.cpu()
     # Oracle: a Python loop over tokens.
     exp_k = torch.full(cache_shape, float("nan"), dtype=dtype)
     exp_v = torch.full(cache_shape, float("nan"), dtype=dtype)
@@ -181,7 +185,7 @@ def test_reshape_and_cache_scatters_and_skips_padding(data):
 # --- bad input: same ValueError (type and message) as the reference ----------
 
 def _good():
-    key_cache = torch.zeros(4, 8, 2, 16)
+    key_cache = torch.zeros(4, 8, 2, 16)  # CPU: validation fails before any launch
     return dict(query=torch.zeros(2, 4, 16), key_cache=key_cache, value_cache=torch.zeros_like(key_cache),
                 block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32),
                 cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
