@@ -15,7 +15,7 @@ from mini_vllm.spec_decode import lossy
 from mini_vllm.spec_decode.stats import passes_lossless_test, position_pvalues, simulate_identical_requests
 
 ALPHA = 1e-5
-N = 20_000
+N = 10_000
 
 
 @st.composite
