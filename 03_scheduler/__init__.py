@@ -7,10 +7,11 @@ from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .request import EngineCoreOutput, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler
+from .mini_runner import MiniRunner
 from .swap import CpuBlockPool
 
 __all__ = [
     "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
     "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "EngineCoreOutput",
-    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool",
+    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
 ]

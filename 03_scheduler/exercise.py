@@ -12,12 +12,13 @@ from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, Schedu
 from .policy import running_order, waiting_order  # noqa: F401  (you will need them)
 from .request import EngineCoreOutput, Request, RequestStatus, SamplingParams
 from .step import StepState  # noqa: F401
+from .mini_runner import MiniRunner
 from .swap import CpuBlockPool
 
 __all__ = [
     "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
     "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "EngineCoreOutput",
-    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool",
+    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
 ]
 
 

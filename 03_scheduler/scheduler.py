@@ -111,9 +111,10 @@ class Scheduler:
                     i += 1
                 elif j is not None:
                     req = cands.pop(j)
-                    if not st.try_admit(req):
-                        break  # the shortest does not fit: the longer ones will not either
-                    deltas = st.refresh(cands)  # new blocks may be prefix hits for others
+                    if st.try_admit(req):
+                        deltas = st.refresh(cands)  # new blocks may be prefix hits for others
+                    else:  # the shortest does not fit: stop admitting, keep serving running
+                        cands, deltas = [], []
                 else:
                     break
         return st.finish()

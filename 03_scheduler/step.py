@@ -40,10 +40,11 @@ class StepState:
 
     def delta(self, req, computed: int, total: int) -> int:
         """Δ = min(remaining, budget left), capped by max_model_len and, for
-        prefills, by long_prefill_token_threshold."""
+        prefills, by long_prefill_token_threshold (a chunking knob: ignored
+        without chunked prefill, where a prefill must go in one piece)."""
         d = min(total - computed, self.budget, self.cfg.max_model_len - computed)
         thr = self.cfg.long_prefill_token_threshold
-        if thr and req.num_tokens - computed > 1:
+        if thr and self.cfg.enable_chunked_prefill and req.num_tokens - computed > 1:
             d = min(d, thr)
         return d
 
