@@ -14,7 +14,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
 EOS = 0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def mod(chapter):
     return chapter("scheduler")
 
