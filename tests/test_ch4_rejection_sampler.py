@@ -199,3 +199,15 @@ def test_bad_sampling_parameters_raise(chapter):
                           (dict(temperature=[1.0], top_p=[0.0]), "top_p")]:
         with pytest.raises(ValueError, match=match):
             sd.SamplingMetadata.make(**kwargs)
+
+
+def test_rejection_sampler_rejects_bad_logits_shape(chapter):
+    sd = chapter("spec_decode")
+    meta = sd.SpecDecodeMetadata.make([[1, 2], [3]])
+    sampling = sd.SamplingMetadata.make([1.0, 1.0])
+    with pytest.raises(ValueError, match=r"target_logits must be \[sum\(num_draft_tokens \+ 1\) = 5"):
+        sd.RejectionSampler()(meta, None, torch.randn(4, 6), sampling)
+    with pytest.raises(ValueError, match="sampling metadata has 1 requests but the batch has 2"):
+        sd.RejectionSampler()(meta, None, torch.randn(5, 6), sd.SamplingMetadata.make([1.0]))
+    with pytest.raises(ValueError, match="backend"):
+        sd.RejectionSampler("cuda")
