@@ -74,10 +74,11 @@ class SimResult:
 
 
 def simulate(m: KVCacheManager, stream: Iterator, concurrency: int = 8, seed: int = 0,
-             free_order=None) -> SimResult:
+             free_order=None, after_request=None) -> SimResult:
     """Drive `stream` through `m`. Items are (prompt, n_out) or (conversation, n_out).
 
-    `free_order(m, request)` replaces `m.free` (to compare freeing policies).
+    `free_order(m, request)` replaces `m.free` (to compare freeing policies);
+    `after_request(m)` is called after each request is admitted (to sample state).
     """
     rng = random.Random(seed)
     live: list[SimpleRequest] = []
@@ -108,6 +109,8 @@ def simulate(m: KVCacheManager, stream: Iterator, concurrency: int = 8, seed: in
         live.append(req)
         if len(live) > concurrency:
             free(m, live.pop(0))
+        if after_request is not None:
+            after_request(m)
     for r in live:
         free(m, r)
     q = m.prefix_cache_stats.queries - stats0[0]
