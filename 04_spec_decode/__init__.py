@@ -2,10 +2,13 @@
 
 Public API (also exposed, partly as stubs, by `mini_vllm.spec_decode.exercise`).
 """
-from .metadata import SpecDecodeMetadata, apply_verify_step, num_accepted_from_output
-from .proposers import DraftModelProposer, NgramProposer, propose_ngram
-from .random_draws import generate_exponential_noise, generate_uniform_probs
-from .rejection_sampler import (
+# Absolute imports on purpose: pytest --nbmake imports this file as a top-level
+# module when it collects the chapter's notebook ("04_spec_decode" is not a
+# valid package name), and relative imports would fail there.
+from mini_vllm.spec_decode.metadata import SpecDecodeMetadata, apply_verify_step, num_accepted_from_output
+from mini_vllm.spec_decode.proposers import DraftModelProposer, NgramProposer, propose_ngram
+from mini_vllm.spec_decode.random_draws import generate_exponential_noise, generate_uniform_probs
+from mini_vllm.spec_decode.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
     recover_token,
@@ -13,8 +16,8 @@ from .rejection_sampler import (
     rejection_sample_reference,
     rejection_sample_request,
 )
-from .sampling import SamplingMetadata, apply_top_k_top_p, compute_probs, sample_from_probs
-from .validation import validate_rejection_inputs
+from mini_vllm.spec_decode.sampling import SamplingMetadata, apply_top_k_top_p, compute_probs, sample_from_probs
+from mini_vllm.spec_decode.validation import validate_rejection_inputs
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "DraftModelProposer", "NgramProposer", "RejectionSampler", "SamplingMetadata",
