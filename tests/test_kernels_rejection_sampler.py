@@ -56,12 +56,12 @@ def test_rejection_sampler_triton_backend_matches_reference():
 
     g = torch.Generator().manual_seed(11)
     drafts = [[1, 2, 3], [], [4, 5]]
-    meta = SpecDecodeMetadata.make(drafts)
-    logits = torch.randn((3 + 1) + (0 + 1) + (2 + 1), 9, generator=g)
-    draft_logits = torch.randn(5, 9, generator=g)
+    meta = SpecDecodeMetadata.make(drafts, device=DEVICE)
+    logits = torch.randn((3 + 1) + (0 + 1) + (2 + 1), 9, generator=g).to(DEVICE)
+    draft_logits = torch.randn(5, 9, generator=g).to(DEVICE)
     sampling = SamplingMetadata.make([0.0, 0.9, 1.2], [0, 3, 0], [1.0, 1.0, 0.8])
     outs = []
     for backend in ("reference", "triton"):
-        gens = {i: torch.Generator().manual_seed(100 + i) for i in range(3)}
+        gens = {i: torch.Generator(device=DEVICE).manual_seed(100 + i) for i in range(3)}
         outs.append(RejectionSampler(backend)(meta, None, logits, sampling, gens, draft_logits=draft_logits))
     assert torch.equal(outs[0], outs[1]), f"triton backend differs from reference:\n{outs[1]}\n{outs[0]}"
