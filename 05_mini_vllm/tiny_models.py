@@ -1,0 +1,50 @@
+"""Load the course's own tiny checkpoints (trained by ``training/train_tiny_lm.py``).
+
+The engine loads these exactly like a downloaded Hugging Face checkpoint (vLLM's
+counterpart: ``vllm/model_executor/model_loader/default_loader.py``), only from the
+repository's ``models/`` folder and always offline.
+
+Invariants:
+  * ``models_dir()`` is ``$MINI_VLLM_MODELS_DIR`` when set, else ``<repo>/models``.
+  * Loading never touches the network (``HF_HUB_OFFLINE=1`` and ``local_files_only``).
+  * The weights are stored in bf16; ``load_tiny_model`` casts to the requested dtype.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+TARGET_NAME = "tiny-py-target"
+DRAFT_NAME = "tiny-py-draft"
+MODEL_NAMES = (TARGET_NAME, DRAFT_NAME)
+
+
+def models_dir() -> Path:
+    env = os.environ.get("MINI_VLLM_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+
+
+def model_path(name: str) -> Path:
+    if name not in MODEL_NAMES:
+        raise ValueError(f"name must be one of {MODEL_NAMES}, got {name!r}")
+    path = models_dir() / name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; run `make models` or set MINI_VLLM_MODELS_DIR")
+    return path
+
+
+def load_tiny_tokenizer(name: str = TARGET_NAME):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_path(name), local_files_only=True)
+
+
+def load_tiny_model(name: str = TARGET_NAME, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
