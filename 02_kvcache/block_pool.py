@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from .block_hash_map import BlockHashToBlockMap
 from .kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 
@@ -32,16 +33,12 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = self.free_queue_cls(self.blocks)
-        # hash -> {block_id: block}; the inner dict makes removal O(1).
-        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
 
     # ---- lookup -----------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """Any block whose content has `block_hash`, or None on a miss."""
-        entry = self.cached_block_hash_to_block.get(block_hash)
-        if not entry:
-            return None
-        return next(iter(entry.values()))
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
@@ -61,7 +58,7 @@ class BlockPool:
             block = blocks[i]
             h = block_hashes[i]
             block.block_hash = h  # raises if a stale hash is still attached
-            self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+            self.cached_block_hash_to_block.insert(h, block)
 
     # ---- allocation -------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -83,11 +80,7 @@ class BlockPool:
         h = block.block_hash
         if h is None:
             return False
-        entry = self.cached_block_hash_to_block.get(h)
-        if entry is not None:
-            entry.pop(block.block_id, None)
-            if not entry:
-                del self.cached_block_hash_to_block[h]
+        self.cached_block_hash_to_block.pop(h, block.block_id)
         block.reset_hash()
         return True
 

@@ -56,6 +56,9 @@ def test_hash_map_is_a_multimap(chapter):
     pool.free_blocks([a, b])
     (x,) = pool.get_new_blocks(1)  # evicts a only
     assert x is a and pool.get_cached_block(h) is b, "evicting one copy must keep the other"
+    assert pool.cached_block_hash_to_block[h] == {b.block_id: b}
+    (y,) = pool.get_new_blocks(1)
+    assert y is b and h not in pool.cached_block_hash_to_block and len(pool.cached_block_hash_to_block) == 0
 
 
 def test_reset_prefix_cache_refused_while_in_use(chapter):
