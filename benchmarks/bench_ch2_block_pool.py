@@ -26,7 +26,7 @@ import time
 from mini_vllm.kvcache import BlockPool, KVCacheManager, SimpleRequest, hash_block_tokens
 
 OPS = 200       # operations per trial
-TRIALS = 25     # trials per figure; the minimum is reported
+TRIALS = 80     # trials per figure; the minimum is reported
 SIZES = (1_000, 100_000, 1_000_000)
 
 
@@ -66,7 +66,7 @@ def bench_pool(pool: BlockPool, rng: random.Random) -> dict[str, float]:
     return best
 
 
-def bench_lookup(block_size: int = 16, blocks_per_prompt: int = 32, trials: int = 60):
+def bench_lookup(block_size: int = 16, blocks_per_prompt: int = 32, trials: int = 200):
     """Minimum over `trials` fresh random prompts of get_computed_blocks time per block."""
     m = KVCacheManager(4096, block_size)
     rng = random.Random(1)
