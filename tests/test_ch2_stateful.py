@@ -124,10 +124,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.m.get_block_ids(child.request_id) == self.m.get_block_ids(parent.request_id)
         self.live[child.request_id] = child
 
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_prompt_tokens for r in self.live.values()))
+    @rule(data=st.data())
+    def abort_mid_prefill(self, data):
+        """Abort a request whose prompt is only partly computed (chunked prefill)."""
+        rid = data.draw(st.sampled_from(sorted(r for r, q in self.live.items()
+                                               if q.num_computed_tokens < q.num_prompt_tokens)))
+        self.m.free(self.live.pop(rid))
+        assert self.m.get_block_ids(rid) == []
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
-        """Finish or abort (mid-prefill too) a request."""
+        """Finish (or abort) any live request."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.m.free(self.live.pop(rid))
         assert self.m.get_block_ids(rid) == []
