@@ -89,7 +89,7 @@ def rejection_sample_reference(
     batch, _, max_k = validate_rejection_inputs(
         draft_token_ids, num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy, uniform_probs, recovery_noise
     )
-    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
     start = 0
     for b in range(batch):
         k = int(num_draft_tokens[b])
@@ -103,7 +103,7 @@ def rejection_sample_reference(
             uniform_probs[sl],
             recovery_noise[b],
         )
-        out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=out.device)
         start += k
     return out
 

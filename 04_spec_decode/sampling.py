@@ -102,7 +102,8 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_req
             f"rows_per_request must have {batch} entries summing to logits rows {logits.shape[0]}, "
             f"got {rows_per_request.tolist()}"
         )
-    expand = lambda t: t.repeat_interleave(rows_per_request).to(logits.device)  # noqa: E731
+    rows_per_request = rows_per_request.to(logits.device)
+    expand = lambda t: t.to(logits.device).repeat_interleave(rows_per_request)  # noqa: E731
     temp = expand(sampling.temperature)
     greedy = temp == GREEDY_TEMPERATURE
     temp = torch.where(greedy, 1.0, temp)
