@@ -85,6 +85,14 @@ def test_roundtrip_on_heldout_files(tok):
         assert tok.decode(tok.encode(t)) == t, "byte-level BPE must decode to the exact input text"
 
 
+def test_auto_tokenizer_encodes_like_the_trained_tokenizer_json(tok):
+    from tokenizers import Tokenizer
+    raw = Tokenizer.from_file(str(tiny_models.models_dir() / tiny_models.TARGET_NAME / "tokenizer.json"))
+    for t in stdlib_texts("val")[:5] + ["    def f(x):\n        return x**2  # 123\n"]:
+        assert tok.encode(t) == raw.encode(t).ids, \
+            "AutoTokenizer rebuilt the tokenizer differently from training: ids would not match the model"
+
+
 def test_special_tokens_and_chat_template(tok):
     for s in ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"):
         assert len(tok.encode(s)) == 1, f"{s} must be one atomic token, not split by BPE"

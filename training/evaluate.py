@@ -163,7 +163,10 @@ def evaluate_and_write_cards(out: Path, log, stdlib: str | None = None) -> dict:
     """stdlib: where to read the corpus files now (default: where training read them)."""
     meta = json.loads((out / "training_runs.json").read_text())
     runs = {r["name"]: r for r in meta["runs"]}
-    res = evaluate_pair(out, meta["args"]["seq_len"], log, stdlib or meta["args"].get("stdlib"))
+    recorded = meta["args"].get("stdlib")
+    if stdlib is None and recorded and Path(recorded).is_dir():
+        stdlib = recorded  # else: this interpreter's stdlib (tests assume the same Python build)
+    res = evaluate_pair(out, meta["args"]["seq_len"], log, stdlib)
     cmd = command_for(meta["args"], runs)
     for run in runs.values():
         write_card(out, meta, run, res, cmd)
