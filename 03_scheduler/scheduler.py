@@ -124,13 +124,14 @@ class Scheduler:
         """Append sampled tokens, roll back rejected drafts, apply stop rules."""
         outputs = []
         mro = model_runner_output
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since the step was scheduled
             idx = mro.req_id_to_index.get(req_id)
-            sampled = list(mro.sampled_token_ids[idx]) if idx is not None else []
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            sampled = mro.sampled_token_ids[idx] if idx is not None else ()
+            drafts = spec_tokens.get(req_id) if spec_tokens else None
             rejected = 0
             if drafts:
                 if not 1 <= len(sampled) <= len(drafts) + 1:
@@ -146,8 +147,10 @@ class Scheduler:
             new_ids: list[int] = []
             status = None
             for tok in sampled:
-                req.append_output_token_ids(int(tok))
-                new_ids.append(int(tok))
+                tok = int(tok)
+                req._output_token_ids.append(tok)  # one token at a time: stop rules
+                req._all_token_ids.append(tok)     # may cut a multi-token output
+                new_ids.append(tok)
                 status = self._check_stop(req)
                 if status is not None:
                     break
