@@ -38,7 +38,7 @@ lab: $(STAMP)
 bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
-# Retrains the course's tiny target/draft models (about an hour on 2 CPU cores).
+# Retrains the course's tiny target/draft models (about 2 minutes on one GPU; many hours on 2 CPU cores).
 models: $(STAMP)
 	$(PY) training/train_tiny_lm.py --out models
 

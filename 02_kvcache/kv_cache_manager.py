@@ -124,6 +124,10 @@ class KVCacheManager:
         are not in the returned list; they show up in `get_block_ids` and in
         `take_blocks_to_copy`.
         """
+        if (num_new_computed_tokens == 0 and num_lookahead_tokens == 0 and not new_computed_blocks
+                and type(num_new_tokens) is int and num_new_tokens >= 0
+                and self._needs_nothing(request, num_new_tokens)):
+            return []
         for name, v in (("num_new_tokens", num_new_tokens),
                         ("num_new_computed_tokens", num_new_computed_tokens),
                         ("num_lookahead_tokens", num_lookahead_tokens)):
@@ -185,6 +189,29 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
                 self._num_cached_blocks[rid] = num_full
         return new_blocks
+
+    def _needs_nothing(self, request: Any, num_new_tokens: int) -> bool:
+        """True when the step fits in the request's own, unshared blocks and
+        fills none of them: the common decode step, where `allocate_slots`
+        has nothing to do. It runs once per running request per step, so it
+        skips the general path's validation and list building.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        end = num_computed + num_new_tokens
+        if end > len(blocks) * bs:
+            return False  # a new block is needed
+        for i in range(num_computed // bs, -(-end // bs)):
+            if blocks[i].ref_cnt > 1:
+                return False  # copy-on-write first
+        if self.enable_caching:
+            num_full = min(end, request.num_tokens) // bs
+            if num_full > self._num_cached_blocks.get(request.request_id, 0):
+                return False  # a block became full: hash and cache it
+        return True
 
     # ---- release / share ------------------------------------------------------------
     def free(self, request: Any) -> None:

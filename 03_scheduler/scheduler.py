@@ -151,12 +151,13 @@ class Scheduler:
                 req._output_token_ids.append(tok)  # one token at a time: stop rules
                 req._all_token_ids.append(tok)     # may cut a multi-token output
                 new_ids.append(tok)
-                status = self._check_stop(req)
+                status = self._check_stop(req, tok)
                 if status is not None:
                     break
             if status is not None:
                 self._finish(req, status)
-            outputs.append(EngineCoreOutput(req_id, new_ids, req.get_finished_reason(), rejected))
+            reason = req.get_finished_reason() if status is not None else None
+            outputs.append(EngineCoreOutput(req_id, new_ids, reason, rejected))
         return outputs
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
@@ -171,8 +172,8 @@ class Scheduler:
                 self._finish(req, finished_status)
 
     # ------------------------------------------------------------- internals
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        tok = req.all_token_ids[-1]
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        """Stop rules for `tok`, the token just appended to `req`."""
         sp = req.sampling_params
         if not sp.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED

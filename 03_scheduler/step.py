@@ -90,7 +90,7 @@ class StepState:
         self.num_scheduled[rid] = d
         if n_spec:
             self.spec[rid] = list(req.spec_token_ids[:n_spec])
-        self.cached[rid] = (False, [b.block_id for b in new])
+        self.cached[rid] = (False, [b.block_id for b in new] if new else [])  # decode: usually none
 
     def pick_victim(self):
         """Lowest priority (largest value), then latest arrival; requests
