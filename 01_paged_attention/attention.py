@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_vllm.kernels.validation import check_block_tables, check_kv_cache, check_num_heads
-
-from .checks import check_cu_seqlens_q, check_query, check_scale, check_table_entries
+from .checks import check_cu_seqlens_q, check_paged_attention_args
 
 
 def gather_kv(key_cache, value_cache, block_table_row, seq_len: int):
@@ -48,20 +46,11 @@ def _attend(q, k, v, scale: float):
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs):
-    num_blocks, block_size, num_kv_heads, _ = check_kv_cache(key_cache, value_cache)
-    check_query(query, key_cache)
-    check_num_heads(query.shape[1], num_kv_heads)
-    check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)
-    check_table_entries(block_tables, seq_lens, block_size, num_blocks)
-    check_scale(scale)
-
-
 def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
     """query [num_tokens, num_heads, head_dim]; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1]. Returns [num_tokens, num_heads, head_dim]."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     out = torch.empty_like(query)
     for i in range(num_seqs):
@@ -75,7 +64,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     """One new token per sequence: query [num_seqs, num_heads, head_dim] is
     position seq_len - 1 and sees all seq_len cached positions."""
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
-    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     out = torch.empty_like(query)
     for i in range(num_seqs):
         k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]))

@@ -33,8 +33,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     raise NotImplementedError(
         "reshape_and_cache: keep only tokens whose slot is >= 0 (slot -1 is padding), "
         "split each slot into (slot // block_size, slot % block_size) and assign "
-        "key_cache[block, offset] = key[token] (same for value). Validate shapes "
-        "with mini_vllm.kernels.validation.check_kv_cache / check_tensor."
+        "key_cache[block, offset] = key[token] (same for value). Validate the arguments "
+        "with mini_vllm.paged_attention.checks.check_reshape_and_cache_args."
     )
 
 

@@ -38,8 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_checks import check_cu_seqlens_q, check_query, check_scale, check_table_entries
-from .validation import check_block_tables, check_kv_cache, check_num_heads
+from .paged_checks import check_cu_seqlens_q, check_paged_attention_args
 
 LOG2E = 1.4426950408889634
 # Tile sizes: query rows per varlen tile, keys per inner step, warps. Picked
@@ -155,16 +154,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs):
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
-    check_query(query, key_cache)
-    check_num_heads(query.shape[1], num_kv_heads)
-    check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)
-    check_table_entries(block_tables, seq_lens, block_size, num_blocks)
-    check_scale(scale)
-    return block_size, num_kv_heads, head_dim
-
-
 def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode):
     block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_seqs = seq_lens.shape[0]
@@ -200,7 +189,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     position seq_len - 1 and sees all seq_len cached positions. Returns a
     tensor of query's shape and dtype."""
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
-    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, None, scale, decode=True)
 
 
@@ -209,6 +198,6 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqle
     cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len_i positions, attended
     causally. Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    _validate(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode=False)

@@ -1,9 +1,9 @@
-"""Argument checks of the Chapter 1 kernels that `validation.py` does not hold.
+"""Argument checks of Chapter 1's attention ops that `validation.py` does not hold.
 
-They give the same messages as the PyTorch reference's checks
-(`mini_vllm.paged_attention.checks`), so a learner sees one error whichever
-implementation runs. They live here because kernels may not import from
-chapters (imports flow kernels <- 01 <- 02 ...).
+The Triton kernels and the PyTorch reference (`mini_vllm.paged_attention`,
+which re-exports them from its `checks.py`) share these, so a learner sees one
+error whichever implementation runs. They live here because kernels may not
+import from chapters (imports flow kernels <- 01 <- 02 ...).
 
 Cost: the data-dependent checks (block-table entries, cu_seqlens_q) read
 small index tensors back to the host, one synchronisation each, vectorised
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .validation import CACHE_DTYPES, check_tensor
+from .validation import CACHE_DTYPES, check_block_tables, check_kv_cache, check_num_heads, check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -72,3 +72,36 @@ def check_cu_seqlens_q(cu_seqlens_q, seq_lens, num_tokens: int, device) -> None:
             f"cu_seqlens_q gives sequence {i} q_len {int(q_lens[i])} > seq_lens[{i}] {int(seq_lens[i])}: "
             "queries must be the last q_len of seq_len cached positions"
         )
+
+
+def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping):
+    """Checks `reshape_and_cache`'s arguments; returns the cache geometry
+    (num_blocks, block_size, num_kv_heads, head_dim)."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
+    dev = key_cache.device
+    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=dev)
+    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=dev)
+    if key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key shape {tuple(key.shape)} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    num_slots = num_blocks * block_size
+    # One host read-back for the range check (a CUDA build would skip it).
+    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots}), got range "
+                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                               num_seqs: int) -> None:
+    """Checks the arguments shared by paged decode and varlen attention."""
+    num_blocks, block_size, num_kv_heads, _ = check_kv_cache(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_num_heads(query.shape[1], num_kv_heads)
+    check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)
+    check_table_entries(block_tables, seq_lens, block_size, num_blocks)
+    check_scale(scale)

@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_checks import INDEX_DTYPES
-from .validation import check_kv_cache, check_tensor
+from .paged_checks import check_reshape_and_cache_args
 
 
 @triton.jit
@@ -46,30 +45,11 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + block * vc_s0 + offset * vc_s1 + h * vc_s2 + d * vc_s3, v, mask=mask)
 
 
-def _validate(key, value, key_cache, value_cache, slot_mapping):
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
-    dev = key_cache.device
-    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=dev)
-    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=dev)
-    if key.shape[1:] != (num_kv_heads, head_dim):
-        raise ValueError(f"key shape {tuple(key.shape)} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache")
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
-    num_slots = num_blocks * block_size
-    # One host read-back for the range check (a CUDA build would skip it).
-    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
-        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots}), got range "
-                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    return block_size, num_kv_heads, head_dim
-
-
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """key, value [num_tokens, num_kv_heads, head_dim] -> key_cache, value_cache
     [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping; in place."""
-    block_size, num_kv_heads, head_dim = _validate(key, value, key_cache, value_cache, slot_mapping)
+    _, block_size, num_kv_heads, head_dim = check_reshape_and_cache_args(
+        key, value, key_cache, value_cache, slot_mapping)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
