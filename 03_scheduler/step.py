@@ -93,19 +93,23 @@ class StepState:
         self.cached[rid] = (False, [b.block_id for b in new] if new else [])  # decode: usually none
 
     def pick_victim(self):
-        """Lowest priority (largest value), then latest arrival; requests
-        admitted in this very step are not candidates."""
+        """Lowest priority (largest value), then latest arrival, among the
+        running requests not yet scheduled in this step (the requester is one
+        of them, so there is always a candidate).
+
+        A request scheduled earlier in this step is never the victim: its
+        `allocate_slots` already hashed the blocks this step will fill, and a
+        request admitted after it may already hold them as prefix hits. Undoing
+        it would leave hashes on blocks whose tokens are never written.
+        """
         cands = [(r.priority, r.arrival_time, i, r) for i, r in enumerate(self.s.running)
-                 if r.request_id not in self.admitted]
+                 if r.request_id not in self.num_scheduled and r.request_id not in self.admitted]
         return max(cands, key=lambda c: c[:3])[3]
 
     def preempt(self, victim) -> None:
         s, rid = self.s, victim.request_id
+        assert rid not in self.num_scheduled, "a request scheduled in this step cannot be preempted"
         s.running.remove(victim)
-        if rid in self.num_scheduled:  # scheduled earlier this step: undo
-            self.budget += self.num_scheduled.pop(rid)
-            self.spec.pop(rid, None)
-            self.cached.pop(rid, None)
         n_keep = cdiv(victim.num_computed_tokens, s.block_size)
         cpu = None
         if self.cfg.preemption_mode == "swap" and n_keep > 0:

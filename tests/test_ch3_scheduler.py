@@ -173,6 +173,29 @@ def test_priority_victim_is_lowest_priority(mod):
     assert preempted == {"low"}, "victim must be the lowest priority, not the latest arrival"
 
 
+def test_preemption_never_leaves_hashes_on_unwritten_blocks(mod):
+    """A low-priority request is scheduled first (FCFS order), and allocating
+    its chunk hashes a block the chunk will fill. A later request then runs out
+    of blocks. Preempting the already-scheduled request would free that block
+    with its hash but without its tokens, and its own re-admission would hit
+    it and read garbage. Checked with real KV tensors (MiniRunner)."""
+    s = make(mod, num_blocks=4, block_size=4, max_num_batched_tokens=5, max_num_seqs=2,
+             max_model_len=16, enable_chunked_prefill=True, long_prefill_token_threshold=3)
+    runner = mod.MiniRunner(s, with_tensors=True, vocab=6)
+    reqs = {}
+    for r in [req(mod, "low", 12, max_tokens=1, arrival=0, priority=1),
+              req(mod, "high", 5, max_tokens=1, arrival=1, priority=0)]:
+        s.add_request(r)
+        reqs[r.request_id] = r
+    for _ in range(50):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(out, reqs))
+        runner.check_cache(reqs)  # raises if any position reads KV that was never written
+    assert not s.has_unfinished_requests(), "requests never finished"
+
+
 def test_abort_in_every_state(mod):
     s = make(mod, num_blocks=6, max_num_batched_tokens=6, caching=False, preemption_mode="swap",
              num_cpu_blocks=8)
