@@ -159,17 +159,28 @@ def rejection_sample(
     cols = torch.arange(max_k, device=device)[None, :]
     out[:, :max_k] = torch.where(cols < first_rej[:, None], grid_draft, out[:, :max_k])
 
-    # Recovered token, computed only at each request's first rejected position
-    # (at most B rows of the vocabulary, not T).
+    # Recovered token at each request's first rejected position: a greedy
+    # request emits the target argmax it already has; a random one samples the
+    # residual, computed only for those rows (at most B of the T rows).
     rows = torch.nonzero(has_rej).squeeze(1)
     t = starts[rows] + first_rej[rows]
-    p = target_probs[t]
-    q = draft_probs[t] if draft_probs is not None else torch.zeros_like(p).scatter_(1, drafts[t, None], 1.0)
-    residual = torch.clamp(p - q, min=0.0)
-    empty = residual.max(dim=-1).values <= 0.0 if rows.numel() else torch.zeros(0, dtype=torch.bool, device=device)
-    residual = torch.where(empty[:, None], p, residual)
-    recovered = (residual / recovery_noise[rows]).argmax(dim=-1)
-    recovered = torch.where(greedy_tok[t], target_argmax[t], recovered)
+    recovered = target_argmax[t]
+    rnd = torch.nonzero(~greedy_tok[t]).squeeze(1)
+    rows_r, t_r = rows[rnd], t[rnd]
+    p = target_probs[t_r]
+    if draft_probs is not None:
+        residual = (p - draft_probs[t_r]).clamp_(min=0.0)
+    else:
+        residual = p.clone()
+        residual[torch.arange(t_r.numel(), device=device), drafts[t_r]] = 0.0
+    noise = recovery_noise[rows_r]
+    pick = (residual / noise).argmax(dim=-1)
+    # An all-zero residual (rounding; only then) makes every ratio 0, so the
+    # pick lands on a zero entry: recover from p instead, as the reference does.
+    empty = torch.nonzero(residual.gather(1, pick[:, None]).squeeze(1) <= 0.0).squeeze(1)
+    if empty.numel():
+        pick[empty] = (p[empty] / noise[empty]).argmax(dim=-1)
+    recovered[rnd] = pick
     out[rows, first_rej[rows]] = recovered
 
     # Bonus token where every draft was accepted.

@@ -211,3 +211,18 @@ def test_rejection_sampler_rejects_bad_logits_shape(chapter):
         sd.RejectionSampler()(meta, None, torch.randn(5, 6), sd.SamplingMetadata.make([1.0]))
     with pytest.raises(ValueError, match="backend"):
         sd.RejectionSampler("cuda")
+
+
+def test_all_zero_residual_recovers_from_target(chapter):
+    """q >= p everywhere (p and q equal up to rounding) makes max(0, p - q) all
+    zero; a rejection then has no residual to sample, and both samplers must
+    fall back to p instead of emitting an arbitrary token (index 0)."""
+    sd = chapter("spec_decode")
+    target = torch.tensor([[0.5, 0.25, 0.25]])
+    draft = torch.tensor([[0.5002, 0.25, 0.25]])  # sums to 1.0002: within the validator's tolerance
+    noise = torch.tensor([[1.0, 0.01, 1.0]])       # p / noise peaks at token 1; residual / noise is all 0
+    args = (torch.tensor([0]), torch.tensor([1]), draft, target, torch.tensor([2]), torch.tensor([False]),
+            torch.tensor([0.99999]), noise)         # u * q(0) > p(0): rejected
+    for fn in (sd.rejection_sample_reference, sd.rejection_sample):
+        row = fn(*args)[0].tolist()
+        assert row == [1, PH], f"{fn.__name__}: an all-zero residual must recover from p, got {row}"

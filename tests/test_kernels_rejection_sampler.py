@@ -65,3 +65,15 @@ def test_rejection_sampler_triton_backend_matches_reference():
         gens = {i: torch.Generator(device=DEVICE).manual_seed(100 + i) for i in range(3)}
         outs.append(RejectionSampler(backend)(meta, None, logits, sampling, gens, draft_logits=draft_logits))
     assert torch.equal(outs[0], outs[1]), f"triton backend differs from reference:\n{outs[1]}\n{outs[0]}"
+
+
+def test_kernel_all_zero_residual_recovers_from_target():
+    """q >= p everywhere up to rounding: the residual is all zero, so recovery
+    must fall back to p (p / noise peaks at token 1), as the reference does."""
+    args = (torch.tensor([0]), torch.tensor([1]), torch.tensor([[0.5002, 0.25, 0.25]]),
+            torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([2]), torch.tensor([False]),
+            torch.tensor([0.99999]), torch.tensor([[1.0, 0.01, 1.0]]))
+    want = rejection_sample_reference(*args)
+    got = rejection_sample_triton(*on_device(args)).cpu()
+    assert want[0].tolist() == [1, -1], "reference must recover from p when the residual is empty"
+    assert torch.equal(got, want), f"kernel mishandles an all-zero residual: {got} vs {want}"
