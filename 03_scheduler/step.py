@@ -27,7 +27,6 @@ class StepState:
         self.spec: dict[str, list[int]] = {}
         self.new_reqs: list = []
         self.cached: dict[str, tuple[bool, list[int]]] = {}
-        self.admitted: set[str] = set()
         self.preempted: set[str] = set()
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
@@ -94,8 +93,9 @@ class StepState:
 
     def pick_victim(self):
         """Lowest priority (largest value), then latest arrival, among the
-        running requests not yet scheduled in this step (the requester is one
-        of them, so there is always a candidate).
+        running requests not yet scheduled in this step, which also excludes
+        those admitted in it (the requester is one of them, so there is always
+        a candidate).
 
         A request scheduled earlier in this step is never the victim: its
         `allocate_slots` already hashed the blocks this step will fill, and a
@@ -103,7 +103,7 @@ class StepState:
         it would leave hashes on blocks whose tokens are never written.
         """
         cands = [(r.priority, r.arrival_time, i, r) for i, r in enumerate(self.s.running)
-                 if r.request_id not in self.num_scheduled and r.request_id not in self.admitted]
+                 if r.request_id not in self.num_scheduled]
         return max(cands, key=lambda c: c[:3])[3]
 
     def preempt(self, victim) -> None:
@@ -152,7 +152,6 @@ class StepState:
         rid = req.request_id
         req.status = RequestStatus.RUNNING
         s.running.append(req)
-        self.admitted.add(rid)
         self.budget -= d
         self.num_scheduled[rid] = d
         block_ids = list(self.kv.get_block_ids(rid))

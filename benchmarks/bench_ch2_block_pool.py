@@ -54,7 +54,7 @@ def make_pool(num_blocks: int, shuffled: bool, rng: random.Random, cached: bool 
     return pool
 
 
-def bench_pool(pool: BlockPool, rng: random.Random) -> dict[str, float]:
+def bench_pool(pool: BlockPool, rng: random.Random, recache: bool = True) -> dict[str, float]:
     best = {"allocate": float("inf"), "free": float("inf"), "touch": float("inf")}
     gc.disable()
     try:
@@ -62,11 +62,12 @@ def bench_pool(pool: BlockPool, rng: random.Random) -> dict[str, float]:
         for _ in range(TRIALS):
             got = []
             a = _ns_per_op(lambda: [got.append(pool.get_new_blocks(1)[0]) for _ in range(OPS)], OPS)
-            # Cache them again (untimed) so that every later allocation also evicts;
-            # otherwise a small pool runs out of cached blocks after a few trials.
-            pool.cache_full_blocks(got, [(next_hash + i).to_bytes(32, "little") for i in range(OPS)],
-                                   0, OPS)
-            next_hash += OPS
+            if recache:
+                # Cache them again (untimed) so that every later allocation also evicts;
+                # otherwise a small pool runs out of cached blocks after a few trials.
+                pool.cache_full_blocks(got, [(next_hash + i).to_bytes(32, "little") for i in range(OPS)],
+                                       0, OPS)
+                next_hash += OPS
             f = _ns_per_op(lambda: [pool.free_blocks((b,)) for b in got], OPS)
             # Hits on free blocks scattered through the queue (lazy removal from the middle).
             hits = [b for b in rng.sample(pool.blocks, 4 * OPS) if b.ref_cnt == 0][:OPS]
@@ -74,20 +75,6 @@ def bench_pool(pool: BlockPool, rng: random.Random) -> dict[str, float]:
             pool.free_blocks(hits)
             for k, v in (("allocate", a), ("free", f), ("touch", t)):
                 best[k] = min(best[k], v)
-    finally:
-        gc.enable()
-    return best
-
-
-def bench_alloc_uncached(num_blocks: int, shuffled: bool, rng: random.Random) -> float:
-    pool = make_pool(num_blocks, shuffled, rng, cached=False)
-    best = float("inf")
-    gc.disable()
-    try:
-        for _ in range(TRIALS):
-            got = []
-            best = min(best, _ns_per_op(lambda: [got.append(pool.get_new_blocks(1)[0]) for _ in range(OPS)], OPS))
-            pool.free_blocks(got)
     finally:
         gc.enable()
     return best
@@ -157,7 +144,8 @@ def main():
             pool = make_pool(n, shuffled, rng)
             r = bench_pool(pool, rng)
             del pool
-            rows[n] = {"alloc+evict": r["allocate"], "alloc": bench_alloc_uncached(n, shuffled, rng),
+            uncached = bench_pool(make_pool(n, shuffled, rng, cached=False), rng, recache=False)
+            rows[n] = {"alloc+evict": r["allocate"], "alloc": uncached["allocate"],
                        "free": r["free"], "touch": r["touch"],
                        "dict.pop": bench_dict_control(n, shuffled, rng)}
             print(f"{n:>10,}" + "".join(f"{rows[n][c]:>12.0f}" for c in cols))
