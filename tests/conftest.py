@@ -63,7 +63,10 @@ def load_chapter(chapter: str, impl: str):
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    name = f"mini_vllm.{chapter}" + (".exercise" if impl == "exercise" else "")
+    if chapter == "engine":  # Chapter 5 is the root package itself
+        name = "mini_vllm.exercise" if impl == "exercise" else "mini_vllm.engine_api"
+    else:
+        name = f"mini_vllm.{chapter}" + (".exercise" if impl == "exercise" else "")
     return importlib.import_module(name)
 
 
