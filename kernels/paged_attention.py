@@ -25,6 +25,10 @@ Arithmetic: fp32 softmax and accumulators. fp32 caches use IEEE fp32 dots
 cores with fp32 accumulation (the fast path); under the interpreter everything
 is cast to fp32 first, because it gets bf16 arithmetic wrong.
 
+Index tensors (block_tables, seq_lens, cu_seqlens_q) may be strided views;
+the wrapper makes them contiguous (a copy only when they are not), because
+the kernel reads them with unit element strides.
+
 Host synchronisation: the launch itself needs none; both grids come from
 tensor shapes (num_tokens, num_seqs, num_kv_heads), never from the values of
 cu_seqlens_q or seq_lens. The argument checks do read small index tensors
@@ -169,6 +173,11 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         block_m = max(VARLEN_BLOCK_M, group_p)  # many query rows share each K/V load
         block_q = block_m // group_p
         grid = (query.shape[0] // block_q + num_seqs, num_kv_heads)
+    # The kernel indexes these with unit strides (only block_tables' row stride
+    # is passed); a strided view would be read as the wrong entries.
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    if cu_seqlens_q is not None:
+        cu_seqlens_q = cu_seqlens_q.contiguous()
     kind = "decode" if decode else "varlen"
     block_n = max(BLOCK_N[kind], triton.next_power_of_2(block_size))
     native = key_cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()

@@ -21,8 +21,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_query(query, key_cache, name: str = "query") -> None:
-    """query [tokens, num_heads, head_dim] on the cache's device, head_dim matching."""
+    """query [tokens, num_heads, head_dim] on the cache's device, in the cache's
+    dtype (as vLLM's attention backends require: the fast path feeds both to
+    one `tl.dot`, which rejects mixed dtypes), head_dim matching."""
     check_tensor(name, query, ndim=3, dtypes=CACHE_DTYPES, device=key_cache.device)
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"{name} dtype {str(query.dtype).replace('torch.', '')} must equal the cache's dtype "
+                         f"{str(key_cache.dtype).replace('torch.', '')}")
     if query.shape[2] != key_cache.shape[3]:
         raise ValueError(f"{name} head_dim {query.shape[2]} must equal the cache's head_dim {key_cache.shape[3]}")
 

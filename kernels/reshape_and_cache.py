@@ -7,7 +7,8 @@ errors as the PyTorch reference `mini_vllm.paged_attention.reshape_and_cache`.
 
 Invariants: slot = block * block_size + offset; slot -1 marks a padding token
 and writes nothing; real slots are in [0, num_blocks * block_size) and are
-distinct within one call (the scheduler guarantees it). Values are copied
+distinct within one call (the scheduler guarantees it). slot_mapping may be
+a strided view; the wrapper makes it contiguous for the kernel. Values are copied
 bit for bit (no arithmetic, so bf16 is safe under the interpreter).
 """
 from __future__ import annotations
@@ -53,6 +54,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    # The kernel reads slot i at slot_ptr + i; a strided view would hand it
+    # other entries (or memory past the tensor).
+    slot_mapping = slot_mapping.contiguous()
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
