@@ -108,6 +108,16 @@ class Request:
         # Swap preemption: CPU blocks holding this request's KV while swapped out.
         self.swapped_cpu_block_ids: list[int] = []
         self.stop_reason: int | None = None
+        # How many of `all_token_ids` the runner has been sent (None: the
+        # runner has never seen this request): the next CachedRequestData
+        # carries the rest as `new_token_ids`, so a runner learns every token
+        # from SchedulerOutputs alone.
+        self.num_tokens_sent: int | None = None
+        # Parallel sampling (n > 1): children forked from this request, or
+        # the parent this request was forked from.
+        self.parent_request_id: str | None = None
+        self.child_index = 0
+        self.forked = False
 
     # --- the two numbers and their views -------------------------------
     @property

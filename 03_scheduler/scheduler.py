@@ -175,6 +175,11 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         """Stop rules for `tok`, the token just appended to `req`."""
         sp = req.sampling_params
+        if req.num_output_tokens < getattr(sp, "min_tokens", 0):
+            # min_tokens: EOS and stop ids do not count yet (the sampler masks them too).
+            if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+                return RequestStatus.FINISHED_LENGTH_CAPPED
+            return None
         if not sp.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if tok in sp.stop_token_ids:
@@ -183,6 +188,35 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def fork_children(self, parent: Request) -> None:
+        """Parallel sampling (n > 1), called when `parent`'s prompt is complete.
+
+        The n - 1 siblings share every prompt block of the parent through
+        Chapter 2's copy-on-write `fork` (seed 001 §3.4.4), so the prompt is
+        prefilled once. A child starts one token short of the prompt: it
+        recomputes the last prompt position to get logits of its own (the
+        parent's were sampled already), and that write copies the shared last
+        block. Children count against `max_num_seqs`; those that do not fit
+        wait as ordinary requests and find the prompt through prefix caching.
+        """
+        parent.forked = True
+        sp = parent.sampling_params
+        for i in range(1, getattr(sp, "n", 1)):
+            child = Request(f"{i}_{parent.request_id}", parent.prompt_token_ids,
+                            _child_params(sp, i), eos_token_id=parent.eos_token_id,
+                            arrival_time=parent.arrival_time, priority=parent.priority,
+                            cache_salt=parent.cache_salt)
+            child.parent_request_id, child.child_index, child.forked = parent.request_id, i, True
+            self.requests[child.request_id] = child
+            if len(self.running) < self.config.max_num_seqs and parent.num_computed_tokens > 0:
+                self.kv_cache_manager.fork(parent, child)
+                child.num_computed_tokens = child.num_tokens - 1
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = RequestStatus.WAITING
+                self.waiting.append(child)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
@@ -198,3 +232,13 @@ class Scheduler:
         req.status = status
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+
+
+def _child_params(sp, index: int):
+    """A child's sampling params: n = 1, and seed + index so seeded siblings differ."""
+    import dataclasses
+
+    changes = {"n": 1}
+    if getattr(sp, "seed", None) is not None:
+        changes["seed"] = sp.seed + index
+    return dataclasses.replace(sp, **changes)

@@ -17,6 +17,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _new_request_data(req, block_ids) -> NewRequestData:
+    req.num_tokens_sent = req.num_tokens
+    return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.all_token_ids),
+                          list(block_ids), req.num_computed_tokens)
+
+
 class StepState:
     def __init__(self, sched, budget: int) -> None:
         self.s = sched
@@ -182,16 +188,27 @@ class StepState:
         s.finished_req_ids = set()
         for req, block_ids in self.new_reqs:
             if req.request_id in self.num_scheduled:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    req.request_id, list(req.prompt_token_ids), list(req.all_token_ids),
-                    block_ids, req.num_computed_tokens))
+                out.scheduled_new_reqs.append(_new_request_data(req, block_ids))
         for rid, (resumed, ids) in self.cached.items():
+            req = s.requests[rid]
+            if req.num_tokens_sent is None:  # a forked child's first schedule
+                out.scheduled_new_reqs.append(
+                    _new_request_data(req, list(self.kv.get_block_ids(rid))))
+                continue
             out.scheduled_cached_reqs.append(CachedRequestData(
-                rid, resumed, ids, s.requests[rid].num_computed_tokens))
+                rid, resumed, ids, req.num_computed_tokens,
+                new_token_ids=req.all_token_ids[req.num_tokens_sent:]))
+            req.num_tokens_sent = req.num_tokens
+        forks = []
         for rid, d in self.num_scheduled.items():
             req = s.requests[rid]
             req.num_computed_tokens += d
             req.spec_token_ids = []  # consumed (or trimmed away) this step
+            if (getattr(req.sampling_params, "n", 1) > 1 and not req.forked
+                    and req.num_computed_tokens >= req.num_tokens):
+                forks.append(req)  # its prompt is complete after this step
+        for req in forks:  # after the loop: children are not scheduled this step
+            s.fork_children(req)
         if self.cpu_to_free:
             s.cpu_block_pool.free(self.cpu_to_free)
         s.num_steps += 1
