@@ -99,11 +99,18 @@ class BlockPool:
         """Drop one reference per block; blocks reaching 0 join the tail, in order.
 
         Pass blocks in eviction order (first = evicted first): the manager
-        passes a request's blocks tail first.
+        passes a request's blocks tail first. All or nothing: a double free
+        anywhere in the list (a block listed more times than its ref_cnt)
+        raises before any count changes.
         """
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"double free of block {block.block_id} (ref_cnt={block.ref_cnt})")
+        blocks = list(ordered_blocks)
+        drops: dict[int, int] = {}
+        for block in blocks:
+            drops[id(block)] = drops.get(id(block), 0) + 1
+            if drops[id(block)] > block.ref_cnt:
+                raise ValueError(f"double free of block {block.block_id} (ref_cnt={block.ref_cnt}, "
+                                 f"freed {drops[id(block)]} times in this call)")
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)

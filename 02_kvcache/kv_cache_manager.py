@@ -14,7 +14,13 @@ Invariants
 * `_req_blocks[r]` lists request r's blocks in logical order; every block in
   it has `ref_cnt >= 1`, and a block's `ref_cnt` equals the number of request
   lists that contain it.
-* `_req_block_hashes[r][i]` is the hash of r's i-th *full* block of tokens;
+* `_req_block_hashes[r][i]` is the hash of r's i-th *full* block of tokens,
+  computed from the request object `_hash_owner[r]`; a different object
+  arriving under the same id (a server reuses ids, and a request may be
+  looked up and dropped without `free`) starts a fresh list, so it never
+  hits on another request's blocks. vLLM keeps the list on the request
+  itself (`Request.block_hashes`); here the manager keeps it, keyed by id and
+  checked by identity, so any duck-typed request works.
   `_num_cached_blocks[r]` blocks at the head of r's list carry exactly those
   hashes.
 * A block holding tokens that are not yet full is never hashed; lookahead
@@ -51,6 +57,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_block_hashes: dict[str, list[bytes]] = {}
+        self._hash_owner: dict[str, Any] = {}  # the request object each hash list belongs to
         self._num_cached_blocks: dict[str, int] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
 
@@ -77,7 +84,13 @@ class KVCacheManager:
     # ---- hashing --------------------------------------------------------------
     def _block_hashes(self, request: Any, num_full_blocks: int) -> list[bytes]:
         """The request's block-hash list, extended to cover `num_full_blocks` blocks."""
-        hashes = self._req_block_hashes.setdefault(request.request_id, [])
+        rid = request.request_id
+        if self._hash_owner.get(rid) is not request:
+            # Hashes come from one request object's tokens; another object
+            # under a reused id may hold other tokens, so start over.
+            self._hash_owner[rid] = request
+            self._req_block_hashes[rid] = []
+        hashes = self._req_block_hashes[rid]
         if len(hashes) < num_full_blocks:
             hashes.extend(self.hash_request_tokens(
                 self.block_size, request.all_token_ids[:num_full_blocks * self.block_size],
@@ -223,6 +236,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, None)
         self._req_block_hashes.pop(rid, None)
+        self._hash_owner.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
@@ -241,6 +255,7 @@ class KVCacheManager:
         self.block_pool.touch(parent_blocks)
         self._req_blocks[cid] = list(parent_blocks)
         self._req_block_hashes[cid] = list(self._req_block_hashes.get(pid, ()))
+        self._hash_owner[cid] = child_request
         self._num_cached_blocks[cid] = self._num_cached_blocks.get(pid, 0)
 
     def reset_prefix_cache(self) -> bool:
