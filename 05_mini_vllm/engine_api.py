@@ -1,0 +1,9 @@
+"""Chapter 5 reference API: the names the engine tests exercise.
+
+`tests/conftest.py` loads this module for `chapter("engine")` under
+--impl=reference; `mini_vllm.exercise` exposes the same names, some as stubs.
+"""
+# ---- sampler filters ----
+from mini_vllm.ops_topk_topp import apply_min_p, apply_top_k_top_p
+
+__all__ = ["apply_min_p", "apply_top_k_top_p"]

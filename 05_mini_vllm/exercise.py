@@ -1,0 +1,43 @@
+"""Chapter 5 exercise.
+
+Fill in the stubs, then run the Chapter 5 tests against them:
+    .venv/bin/pytest tests/test_ch5_*.py --impl=exercise
+Reference answers live in the modules named in each hint; read them after.
+"""
+from __future__ import annotations
+
+import torch
+
+# ---- sampler filters ----
+# Counterpart of mini_vllm/ops_topk_topp.py (vLLM: vllm/v1/sample/ops/topk_topp_sampler.py).
+# Both functions take logits [B, V] float32 and per-row parameters [B], and return
+# logits [B, V] where every dropped token is -inf and every kept token keeps its value.
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask each row's logits outside its top-k and top-p sets with -inf."""
+    raise NotImplementedError(
+        "apply_top_k_top_p: for each row b, first top-k, then top-p on what top-k kept. "
+        "top-k: keep every token whose logit is >= the k-th largest logit of the row (ties with the k-th "
+        "are ALL kept); top_k[b] == 0, == -1 or >= vocab keeps the whole row; top_k=None means no row uses it. "
+        "top-p: renormalise the top-k survivors with softmax; keep a token iff the total probability of the "
+        "tokens STRICTLY more likely than it is < top_p[b] (so equally likely tokens are kept or dropped "
+        "together, and the most likely token always stays); top_p[b] == 1.0 keeps the whole row "
+        "(do not let rounding in a cumulative sum drop the tail); top_p=None means no row uses it. "
+        "Return a new tensor (the tests compare it with -inf masks built by hand) and raise ValueError "
+        "if logits is not 2-D or top_k/top_p do not have shape [B]. Hint: sort one row's values in "
+        "descending order, find the last kept position, and keep every logit >= the value there."
+    )
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    raise NotImplementedError(
+        "apply_min_p: with p = softmax(logits[b]), keep token v iff p[v] >= min_p[b] * max(p) and set the "
+        "others to -inf; min_p[b] == 0 keeps the whole row, min_p[b] == 1 keeps only the top token(s) (ties "
+        "with the maximum all stay). Return a new tensor; raise ValueError if logits is not 2-D or min_p "
+        "does not have shape [B]. Hint: p[v] / max(p) = exp(logits[v] - max(logits)), so no softmax is needed."
+    )
+
+
+__all__ = ["apply_min_p", "apply_top_k_top_p"]

@@ -1,0 +1,128 @@
+"""The engine's sampler: one token per request from the model's logits.
+
+vLLM counterpart: `vllm/v1/sample/sampler.py` (`Sampler`, `SamplerOutput`,
+`LogprobsTensors` in `vllm/v1/outputs.py`, penalties in
+`vllm/v1/sample/ops/penalties.py`).
+
+Processing order (as vLLM): min_tokens (mask stop ids) -> penalties
+(repetition over prompt + output, presence / frequency over output) -> greedy
+argmax for greedy rows -> temperature -> min-p -> top-k / top-p -> exponential
+race. Invariants:
+- A greedy row's token is the argmax of its penalised logits, whatever else
+  is in the batch.
+- A seeded row's noise comes from its own generator only, so its tokens do
+  not depend on its batch neighbours.
+- Logprobs describe the processed distribution (after penalties, temperature
+  and filters; greedy rows: the penalised logits at temperature 1).
+Fast paths: all-greedy is a single argmax (no softmax); no filter means no
+sort; top-k alone is a `torch.topk`; no penalties means no bincount.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops_topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+from .sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Column 0 is the sampled token, columns 1..N the top-N of the row."""
+
+    logprob_token_ids: torch.Tensor  # [B, N + 1] int64
+    logprobs: torch.Tensor  # [B, N + 1] float32
+    selected_token_ranks: torch.Tensor  # [B] int64, 1 = most likely (ties share the worse rank)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs_tensors: LogprobsTensors | None
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]]) -> torch.Tensor:
+    """-inf on the stop ids of rows still under their min_tokens (in place)."""
+    rows = [i for i, (_, ids) in min_tokens.items() for _ in ids]
+    cols = [t for _, ids in min_tokens.values() for t in ids]
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM's penalties on logits [B, V] (returns a new tensor).
+
+    repetition r: a token seen in the prompt or output gets l / r if l > 0,
+    else l * r (both push it down when r > 1). frequency f: l -= f * count in
+    output. presence p: l -= p if the token occurs in the output.
+    """
+    batch, vocab = logits.shape
+    device = logits.device
+    width = max((len(o) for o in md.output_token_ids), default=0)
+    out = torch.tensor([list(o) + [vocab] * (width - len(o)) for o in md.output_token_ids],
+                       dtype=torch.int64, device=device).reshape(batch, width)
+    # One spare bin at index vocab absorbs the padding.
+    counts = torch.zeros(batch, vocab + 1, dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, md.prompt_token_ids.to(device), True)
+    seen = seen[:, :vocab] | (counts > 0)
+    rep = torch.where(seen, md.repetition_penalties.to(device).unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalties.to(device).unsqueeze(1) * counts
+    return logits - md.presence_penalties.to(device).unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def gather_logprobs(processed: torch.Tensor, num_logprobs: int, sampled: torch.Tensor) -> LogprobsTensors:
+    """Top-N logprobs plus the sampled token's logprob and rank, from processed logits."""
+    logprobs = processed.log_softmax(dim=-1)
+    selected = logprobs.gather(1, sampled.unsqueeze(1))
+    # Rank = how many tokens are at least as likely (vLLM's definition).
+    ranks = (logprobs >= selected).sum(dim=-1)
+    top_vals, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(
+        logprob_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([selected, top_vals], dim=1),
+        selected_token_ranks=ranks,
+    )
+
+
+class Sampler:
+    """Stateless; call `forward(logits, metadata)` (or the object itself)."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, md)
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != md.batch_size:
+            raise ValueError(f"logits must be [batch={md.batch_size}, vocab], got shape {tuple(logits.shape)}")
+        logits = logits.float()
+        if md.min_tokens:
+            # Clone first: the caller's logits are never modified.
+            logits = apply_min_tokens(logits.clone(), md.min_tokens)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md)
+
+        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled, processed = greedy_sampled, logits
+        else:
+            temp = md.temperature.to(logits.device)
+            is_greedy = temp == 0.0
+            if not md.all_random:
+                temp = torch.where(is_greedy, 1.0, temp)  # no 0-division; result replaced below
+            processed = logits / temp.unsqueeze(1)
+            if md.min_p is not None:
+                processed = apply_min_p(processed, md.min_p)
+            if md.top_k is not None or md.top_p is not None:
+                processed = apply_top_k_top_p(processed, md.top_k, md.top_p)
+            sampled = random_sample(processed, md.generators)
+            if greedy_sampled is not None:
+                sampled = torch.where(is_greedy, greedy_sampled, sampled)
+
+        lp = None
+        if md.max_num_logprobs is not None:
+            lp = gather_logprobs(processed, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=lp)
