@@ -1,0 +1,134 @@
+"""Load a Hugging Face checkpoint folder straight into a mini-vLLM model.
+
+vLLM counterparts: `vllm/model_executor/model_loader/default_loader.py`
+(`DefaultModelLoader`), `weight_utils.py` (`safetensors_weights_iterator`) and
+each model's `load_weights` with its stacked-parameter mapping.
+
+Invariants:
+* only `config.json` and `*.safetensors` are read (single file, or the shards
+  listed by `model.safetensors.index.json`); transformers is never imported;
+* the model is built directly in the requested dtype and device, then every
+  parameter is filled from exactly one checkpoint tensor (or one tensor per
+  shard of a merged parameter); anything else is an error:
+  - a checkpoint tensor of the wrong shape -> ValueError naming the file, the
+    tensor and both shapes,
+  - a tensor the model has no place for -> ValueError naming file and tensor,
+  - a model parameter no file provides -> ValueError naming the tensor;
+* a tied model (`tie_word_embeddings`) needs no `lm_head.weight`; a copy in
+  the checkpoint is ignored.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mini_vllm.attention_backends import default_backend
+
+from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .llama import LlamaForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Derived buffers some older checkpoints store; recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+assert set(MODEL_REGISTRY) == set(SUPPORTED_MODEL_TYPES)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the index's shards, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f} listed in {index} does not exist")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight file in {path}")
+    return files
+
+
+def _expected_tensors(model) -> dict[str, tuple[str, object]]:
+    """checkpoint tensor name -> (model parameter name, shard id or None)."""
+    expected = {}
+    for pname, _ in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+        for packed, parts in model.packed_modules_mapping.items():
+            if f".{packed}." in pname:
+                for src, shard in parts:
+                    expected[pname.replace(f".{packed}.", f".{src}.")] = (pname, shard)
+                break
+        else:
+            expected[pname] = (pname, None)
+    return expected
+
+
+def load_weights(model, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    expected = _expected_tensors(model)
+    tied = model.config.tie_word_embeddings
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    if (tied and name == "lm_head.weight") or name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    shape = tuple(f.get_slice(name).get_shape())
+                    raise ValueError(f"{file}: unknown tensor {name!r} with shape {shape}: "
+                                     f"{type(model).__name__} has no parameter for it")
+                pname, shard = expected[name]
+                param = params[pname]
+                try:
+                    if shard is None:
+                        param.weight_loader(param, f.get_tensor(name))
+                    else:
+                        param.weight_loader(param, f.get_tensor(name), shard)
+                except ValueError as e:
+                    raise ValueError(f"{file}: tensor {name!r}: {e}") from None
+                seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        pname, _ = expected[missing[0]]
+        raise ValueError(f"{[str(f) for f in files]}: missing tensor {missing[0]!r} (for parameter "
+                         f"{pname!r} of shape {tuple(params[pname].shape)}); {len(missing)} missing in all: "
+                         f"{missing[:8]}")
+
+
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention_backend: str | None = None):
+    """Build the model named by `path/config.json` and load its weights.
+
+    Returns (model in eval mode, ModelConfig). `attention_backend` defaults to
+    `default_backend(device)`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if dtype not in LOAD_DTYPES:
+        raise ValueError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+    config = ModelConfig.from_json(path / "config.json")
+    files = safetensors_files(path)
+    backend = attention_backend or default_backend(device)
+    with _default_dtype(dtype), torch.device(device):
+        model = MODEL_REGISTRY[config.model_type](config, attention_backend=backend)
+    load_weights(model, files)
+    return model.eval(), config
