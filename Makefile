@@ -8,7 +8,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models clean
+.PHONY: install demo test test-fast lab bench models mutants clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Mutation testing (not part of `make test`): plants classic mistakes in the
+# reference one at a time and checks that each chapter's tests catch every one.
+mutants: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m mutants
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=.

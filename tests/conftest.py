@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # Hypothesis profiles. `ci` keeps `make test` fast; `thorough` is for a long soak:
 #   HYPOTHESIS_PROFILE=thorough make test-fast
@@ -35,6 +35,20 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
+# `exercise` (loaded by --impl=exercise) and `mutants` (the mutation runner):
+# the same examples on every run and no shrinking, so a failure is reproducible
+# and reported within seconds, unshrunk.
+for _name in ("exercise", "mutants"):
+    settings.register_profile(
+        _name,
+        max_examples=25,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        print_blob=True,
+    )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 IMPLS = ("reference", "exercise")
@@ -48,6 +62,13 @@ def pytest_addoption(parser):
         help="run chapter tests against the reference modules (default) "
         "or against the learner's exercise.py stubs",
     )
+
+
+def pytest_configure(config):
+    # An exercise run must be reproducible: unless a profile was asked for
+    # explicitly, use the derandomized one (before any test module is collected).
+    if config.getoption("--impl") == "exercise" and "HYPOTHESIS_PROFILE" not in os.environ:
+        settings.load_profile("exercise")
 
 
 def pytest_report_header(config):

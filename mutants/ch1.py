@@ -1,0 +1,118 @@
+"""Chapter 1 mutants: classic paged-attention mistakes planted in the reference.
+
+Each must make `tests/test_ch1_*.py` fail; the hand-built examples run first
+so the first failure names the mistake.
+"""
+from mutants.core import Mutant
+
+TESTS = [
+    "tests/test_ch1_examples.py",
+    "tests/test_ch1_slot_mapping.py",
+    "tests/test_ch1_attention.py",
+    "tests/test_ch1_allocator.py",
+    "tests/test_ch1_validation.py",
+]
+SLOT = "01_paged_attention/slot_mapping.py"
+ATTN = "01_paged_attention/attention.py"
+CACHE = "01_paged_attention/cache_ops.py"
+ALLOC = "01_paged_attention/kv_cache.py"
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        name="slot_off_by_one",
+        path=SLOT,
+        old="return block_ids * block_size + pos % block_size",
+        new="return block_ids * block_size + pos % block_size + 1",
+        tests=TESTS,
+        why="slot = block * B + offset + 1: every token lands one slot late",
+    ),
+    Mutant(
+        name="slot_block_from_offset",
+        path=SLOT,
+        old="block_ids = block_tables[req, pos // block_size].long()",
+        new="block_ids = block_tables[req, pos % block_size].long()",
+        tests=TESTS,
+        why="logical block looked up with pos % B instead of pos // B",
+    ),
+    Mutant(
+        name="gqa_head_mapping_mod",
+        path=ATTN,
+        old="k = k.float().repeat_interleave(group, dim=1)\n    v = v.float().repeat_interleave(group, dim=1)",
+        new="k = k.float().repeat(1, group, 1)\n    v = v.float().repeat(1, group, 1)",
+        tests=TESTS,
+        why="query head h reads KV head h % num_kv_heads instead of h // group",
+    ),
+    Mutant(
+        name="no_causal_offset",
+        path=ATTN,
+        old="q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]",
+        new="q_pos = torch.arange(0, q_len, device=q.device)[:, None]",
+        tests=TESTS,
+        why="chunked-prefill queries treated as positions 0..q_len-1, not the last q_len of seq_len",
+    ),
+    Mutant(
+        name="no_causal_mask",
+        path=ATTN,
+        old='scores = scores.masked_fill(k_pos > q_pos, float("-inf"))',
+        new="scores = scores",
+        tests=TESTS,
+        why="prefill queries attend to later positions",
+    ),
+    Mutant(
+        name="no_softmax_scale",
+        path=ATTN,
+        old='scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale',
+        new='scores = torch.einsum("qhd,khd->hqk", q.float(), k)',
+        tests=TESTS,
+        why="softmax scale 1/sqrt(d) forgotten",
+    ),
+    Mutant(
+        name="read_past_seq_len",
+        path=ATTN,
+        old="k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [num_used*block_size, ...] -> seq_len\n"
+            "    v = value_cache[blocks].flatten(0, 1)[:seq_len]",
+        new="k = key_cache[blocks].flatten(0, 1)\n    v = value_cache[blocks].flatten(0, 1)",
+        tests=TESTS,
+        why="keys of the whole last block are used, slots past seq_len included",
+    ),
+    Mutant(
+        name="assumes_contiguous_blocks",
+        path=ATTN,
+        old="blocks = block_table_row[:num_used].long()",
+        new="blocks = block_table_row[0].long() + torch.arange(num_used)",
+        tests=TESTS,
+        why="a sequence's blocks taken as consecutive ids from its first block, not from the block table",
+    ),
+    Mutant(
+        name="decode_misses_own_token",
+        path=ATTN,
+        old="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]))\n        out[i] =",
+        new="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]) - 1)\n        out[i] =",
+        tests=TESTS,
+        why="decode attends to seq_len - 1 positions, not to the token it just wrote",
+    ),
+    Mutant(
+        name="padding_slot_written",
+        path=CACHE,
+        old="real = slot_mapping >= 0",
+        new="real = slot_mapping >= -1",
+        tests=TESTS,
+        why="slot -1 (padding) is written and wraps to the cache's last slot",
+    ),
+    Mutant(
+        name="free_ignores_refcount",
+        path=ALLOC,
+        old="if self._ref[block_id] == 0:\n            self._free.append(block_id)",
+        new="self._free.append(block_id)",
+        tests=TESTS,
+        why="a shared block returns to the free list while another sequence still uses it",
+    ),
+    Mutant(
+        name="allocate_n_partial",
+        path=ALLOC,
+        old="if n > len(self._free):\n            raise NoFreeBlocksError",
+        new="if n > len(self._free) + n:\n            raise NoFreeBlocksError",
+        tests=TESTS,
+        why="allocate_n hands out blocks before finding there are not enough: a failed call leaks",
+    ),
+]
