@@ -6,8 +6,8 @@
 matmuls); `kv_tokens_read` is the KV entries the attention reads: each new
 token at position p reads the p + 1 entries before it (causal), so a request
 with c computed tokens and Δ new ones reads Δ·c + Δ(Δ+1)/2 (`kv_read`). A
-decode reads its whole context; a prefill's cost grows with Δ². The constants are fitted by least
-squares on *this* CPU by timing (1) Chapter 1's reference
+decode reads its whole context; a prefill's cost grows with Δ². The constants are fitted by non-negative
+least squares on *this* CPU by timing (1) Chapter 1's reference
 `paged_attention_varlen` over a paged cache and (2) an MLP-shaped workload
 x[tokens, d] @ W1[d, 4d] @ W2[4d, d] — a one-layer stand-in for a model.
 Real GPUs have other constants; the *shape* (fixed overhead, compute per
@@ -80,27 +80,39 @@ def measure_grid(seed: int = 0):
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    for n_seqs in (1, 2, 4, 8):
-        for kind in ("decode", "prefill", "mixed"):
-            ctx = [int(c) for c in rng.integers(16, 384, n_seqs)]
-            if kind == "decode":
-                q = [1] * n_seqs
-            elif kind == "prefill":
-                q = list(ctx)
-            else:
-                q = [1 if i % 2 else c for i, c in enumerate(ctx)]
-            kv = sum(kv_read(c - d, d) for c, d in zip(ctx, q))
-            rows.append((sum(q), kv, _time_step(q, ctx)))
-    torch.set_num_threads(threads)
+    try:
+        for n_seqs in (1, 2, 4, 8):
+            for kind in ("decode", "prefill", "mixed"):
+                ctx = [int(c) for c in rng.integers(16, 384, n_seqs)]
+                if kind == "decode":
+                    q = [1] * n_seqs
+                elif kind == "prefill":
+                    q = list(ctx)
+                else:
+                    q = [1 if i % 2 else c for i, c in enumerate(ctx)]
+                kv = sum(kv_read(c - d, d) for c, d in zip(ctx, q))
+                rows.append((sum(q), kv, _time_step(q, ctx)))
+    finally:  # the caller's thread count survives an error (or Ctrl-C) too
+        torch.set_num_threads(threads)
     return rows
 
 
 def fit_cost_model(rows) -> tuple[CostModel, float]:
-    """Least-squares (a, b, c) >= 0 and the R² of the fit."""
+    """Non-negative least squares (a, b, c >= 0) and the R² of the fit.
+
+    Solved as NNLS (`scipy.optimize.nnls`), not as an unconstrained fit
+    clamped afterwards: clamping a negative coefficient to 0 leaves the
+    others at values fitted alongside it, which is not the best fit. The
+    columns are scaled to unit norm first (token counts and KV reads differ
+    by orders of magnitude) and the coefficients scaled back.
+    """
+    from scipy.optimize import nnls
+
     t, kv, y = (np.array(v, dtype=float) for v in zip(*rows))
     A = np.stack([np.ones_like(t), t, kv], axis=1)
-    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
-    coef = np.maximum(coef, 0.0)
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0  # an all-zero column gets coefficient 0 either way
+    coef = nnls(A / norms, y)[0] / norms
     pred = A @ coef
     r2 = 1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum()
     return CostModel(*map(float, coef)), float(r2)

@@ -121,16 +121,24 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output) -> list[EngineCoreOutput]:
-        """Append sampled tokens, roll back rejected drafts, apply stop rules."""
-        outputs = []
+        """Append sampled tokens, roll back rejected drafts, apply stop rules.
+
+        All or nothing: the whole runner output is checked before any request
+        changes, so a bad output raises a ValueError and leaves every request
+        as it was. Sampled-token counts per scheduled request: 1..k+1 after
+        verifying k drafts; exactly 1 for a request that completed its tokens
+        without drafts; 0 or 1 for a mid-prefill chunk, and that one is
+        discarded (a runner may sample every row; the token is meaningless).
+        """
         mro = model_runner_output
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        plan = []  # (request, sampled token ids to append, rejected drafts)
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since the step was scheduled
             idx = mro.req_id_to_index.get(req_id)
-            sampled = mro.sampled_token_ids[idx] if idx is not None else ()
+            sampled = [int(t) for t in mro.sampled_token_ids[idx]] if idx is not None else []
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             rejected = 0
             if drafts:
@@ -138,16 +146,25 @@ class Scheduler:
                     raise ValueError(f"request {req_id!r}: verifying {len(drafts)} drafts must "
                                      f"yield 1..{len(drafts) + 1} tokens, got {len(sampled)}")
                 rejected = len(drafts) - (len(sampled) - 1)
-                req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # mid-prefill chunk: nothing is sampled yet
+            if req.num_computed_tokens - rejected < req.num_tokens:  # mid-prefill chunk
+                if not drafts and len(sampled) > 1:
+                    raise ValueError(f"request {req_id!r} is mid-prefill: the runner may sample "
+                                     f"0 or 1 token (discarded), got {len(sampled)}")
+                plan.append((req, [], rejected))
+                continue
+            if not drafts and len(sampled) != 1:
+                raise ValueError(f"request {req_id!r} completed its tokens this step without drafts: "
+                                 f"the runner must sample exactly 1 token, got {len(sampled)}")
+            plan.append((req, sampled, rejected))
+
+        outputs = []
+        for req, sampled, rejected in plan:
+            req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
             if not sampled:
-                raise ValueError(f"request {req_id!r} completed its tokens this step but the "
-                                 "runner sampled nothing for it")
+                continue  # mid-prefill chunk: nothing is sampled yet
             new_ids: list[int] = []
             status = None
             for tok in sampled:
-                tok = int(tok)
                 req._output_token_ids.append(tok)  # one token at a time: stop rules
                 req._all_token_ids.append(tok)     # may cut a multi-token output
                 new_ids.append(tok)
@@ -157,7 +174,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             reason = req.get_finished_reason() if status is not None else None
-            outputs.append(EngineCoreOutput(req_id, new_ids, reason, rejected))
+            outputs.append(EngineCoreOutput(req.request_id, new_ids, reason, rejected))
         return outputs
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:

@@ -128,8 +128,21 @@ def reservation(scheme: str, r: SimRequest, max_len: int) -> int:
 def simulate_reservation(workload, cost: CostModel, scheme: str, kv_tokens: int,
                          max_num_batched_tokens: int = 2048, max_len: int = 2048) -> SimResult:
     """Iteration-level FCFS batching; admission needs the whole reservation
-    free and the whole prompt within the token budget (no chunking)."""
+    free and the whole prompt within the token budget (no chunking).
+
+    A request that could never be admitted (reservation over `kv_tokens`, or
+    prompt over `max_num_batched_tokens`) raises a ValueError up front, as
+    `simulate_paged` does: FCFS would otherwise wait on it forever.
+    """
     reqs = [SimRequest(w.arrival, w.prompt_len, w.output_len) for w in workload]
+    for i, r in enumerate(reqs):
+        need = reservation(scheme, r, max_len)
+        if need > kv_tokens:
+            raise ValueError(f"request {i}: {scheme} reserves {need} KV tokens but kv_tokens is "
+                             f"{kv_tokens}; it could never be admitted")
+        if r.prompt_len > max_num_batched_tokens:
+            raise ValueError(f"request {i}: prompt_len {r.prompt_len} exceeds max_num_batched_tokens "
+                             f"{max_num_batched_tokens}; without chunking it could never be admitted")
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     waiting, running, free = [], [], kv_tokens  # running: [idx, computed]
     clock, k, steps = 0.0, 0, []

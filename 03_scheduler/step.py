@@ -55,13 +55,32 @@ class StepState:
 
     def _hits(self, req):
         """Prefix-cache hit, never covering the last token (it must be computed
-        to sample from it)."""
+        to sample from it).
+
+        A probe: it leaves `prefix_cache_stats` unchanged. SRTF refreshes every
+        candidate each step and a request may fail admission for many steps,
+        so counting every lookup would inflate the statistics; `try_admit`
+        records one lookup per admission instead (`_record_hits`).
+        """
+        st = self.kv.prefix_cache_stats
+        saved = (st.requests, st.queries, st.hits)
         blocks, n = self.kv.get_computed_blocks(req)
+        st.requests, st.queries, st.hits = saved
         blocks = list(blocks)
         while n >= req.num_tokens:
             blocks.pop()
             n -= self.s.block_size
         return blocks, n
+
+    def _record_hits(self, req, n_hit: int) -> None:
+        """Count one prefix-cache lookup for an admitted request (a request
+        re-admitted after a recompute preemption looks up again and counts
+        again, as vLLM does)."""
+        if self.kv.enable_caching:
+            st = self.kv.prefix_cache_stats
+            st.requests += 1
+            st.queries += req.num_tokens
+            st.hits += n_hit
 
     def refresh(self, cands) -> list[int]:
         """Remaining Δ of each admission candidate after prefix-cache lookup."""
@@ -98,10 +117,13 @@ class StepState:
         self.cached[rid] = (False, [b.block_id for b in new] if new else [])  # decode: usually none
 
     def pick_victim(self):
-        """Lowest priority (largest value), then latest arrival, among the
-        running requests not yet scheduled in this step, which also excludes
-        those admitted in it (the requester is one of them, so there is always
-        a candidate).
+        """The preemption victim among the running requests not yet scheduled
+        in this step, which also excludes those admitted in it (the requester
+        is one of them, so there is always a candidate).
+
+        fcfs: the last admitted (the tail of `running`, as vLLM's FCFS pops
+        it); the priority field is ignored. priority, srtf, two_level: lowest
+        priority (largest value), then latest arrival, then last admitted.
 
         A request scheduled earlier in this step is never the victim: its
         `allocate_slots` already hashed the blocks this step will fill, and a
@@ -110,6 +132,8 @@ class StepState:
         """
         cands = [(r.priority, r.arrival_time, i, r) for i, r in enumerate(self.s.running)
                  if r.request_id not in self.num_scheduled]
+        if self.cfg.policy == "fcfs":
+            return cands[-1][3]
         return max(cands, key=lambda c: c[:3])[3]
 
     def preempt(self, victim) -> None:
@@ -169,6 +193,7 @@ class StepState:
             self.cached[rid] = (True, block_ids)
         else:
             req.num_computed_tokens = n_hit  # Table 4.1, prefix caching row
+            self._record_hits(req, n_hit)
             self.new_reqs.append((req, block_ids))
         return True
 
