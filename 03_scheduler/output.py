@@ -28,6 +28,10 @@ class NewRequestData:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # What a model runner needs to sample for the request (the model-free
+    # MiniRunner ignores them): its SamplingParams and EOS id.
+    sampling_params: object = None
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -82,6 +86,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    # req_id -> one (token_ids, logprobs, sampled_rank) triple per sampled
+    # token, for requests that asked for logprobs (the engine's runner fills it).
+    logprobs: dict | None = None
 
     @classmethod
     def from_dict(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":

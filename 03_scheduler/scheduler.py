@@ -220,7 +220,7 @@ class Scheduler:
         parent.forked = True
         sp = parent.sampling_params
         for i in range(1, getattr(sp, "n", 1)):
-            child = Request(f"{i}_{parent.request_id}", parent.prompt_token_ids,
+            child = Request(child_request_id(parent.request_id, i), parent.prompt_token_ids,
                             _child_params(sp, i), eos_token_id=parent.eos_token_id,
                             arrival_time=parent.arrival_time, priority=parent.priority,
                             cache_salt=parent.cache_salt)
@@ -249,6 +249,11 @@ class Scheduler:
         req.status = status
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+
+
+def child_request_id(parent_request_id: str, index: int) -> str:
+    """The id of sample `index` (>= 1) of a parallel-sampling request (vLLM's format)."""
+    return f"{index}_{parent_request_id}"
 
 
 def _child_params(sp, index: int):

@@ -20,7 +20,8 @@ def cdiv(a: int, b: int) -> int:
 def _new_request_data(req, block_ids) -> NewRequestData:
     req.num_tokens_sent = req.num_tokens
     return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.all_token_ids),
-                          list(block_ids), req.num_computed_tokens)
+                          list(block_ids), req.num_computed_tokens,
+                          sampling_params=req.sampling_params, eos_token_id=req.eos_token_id)
 
 
 class StepState:

@@ -9,7 +9,32 @@ Each chapter folder is a subpackage of this one:
 - `mini_vllm.global_cache`     (06_global_prefix_cache/)
 - `mini_vllm.kernels`          (kernels/, Triton)
 
-This folder (05_mini_vllm/) holds the engine that composes them.
+This folder (05_mini_vllm/) holds the engine that composes them:
+
+    from mini_vllm import LLM, SamplingParams
+    llm = LLM("models/tiny-py-target")
+    llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 __version__ = "0.1.0"
+
+# The engine's public names, imported lazily so that `import mini_vllm.kvcache`
+# (a chapter) does not pull in the whole engine, models and transformers.
+_LAZY = {
+    "LLM": "mini_vllm.llm",
+    "LLMEngine": "mini_vllm.llm_engine",
+    "EngineConfig": "mini_vllm.config",
+    "SamplingParams": "mini_vllm.sampling_params",
+    "RequestOutput": "mini_vllm.outputs",
+    "CompletionOutput": "mini_vllm.outputs",
+    "Logprob": "mini_vllm.outputs",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mini_vllm' has no attribute {name!r}")

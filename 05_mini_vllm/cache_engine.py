@@ -1,0 +1,79 @@
+"""The paged KV cache tensors of every layer, their size, and block moves.
+
+vLLM counterparts: `GPUModelRunner.initialize_kv_cache` and
+`determine_available_memory` (`vllm/v1/worker/gpu_model_runner.py`,
+`gpu_worker.py`), and vLLM v0's `CacheEngine` (`vllm/worker/cache_engine.py`),
+which owned the CPU swap space and executed swap and copy lists.
+
+Layout: per layer a (key_cache, value_cache) pair, each
+[num_blocks, block_size, num_kv_heads, head_dim] (Chapter 1). Block ids are
+shared by all layers: block b of request r is block b in every layer.
+
+Invariant: the moves of one step run in the order swap-out, swap-in, copy
+(Chapter 3's protocol), and each is a single batched index copy per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.paged_attention import allocate_kv_cache
+
+CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, what: str) -> int:
+    n = int(budget_bytes // bytes_per_block)
+    if n < 1:
+        raise ValueError(f"{what} = {budget_bytes} bytes holds no KV block "
+                         f"({bytes_per_block} bytes each); raise it")
+    return n
+
+
+class CacheEngine:
+    def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.device = torch.device(device)
+        self.gpu_cache = [allocate_kv_cache(num_gpu_blocks, block_size, num_kv_heads, head_dim,
+                                            dtype, self.device) for _ in range(num_layers)]
+        # Swap space lives in host memory (pinned on CUDA for async copies).
+        self.cpu_cache = []
+        if num_cpu_blocks:
+            for _ in range(num_layers):
+                k, v = allocate_kv_cache(num_cpu_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+                if self.device.type == "cuda":
+                    k, v = k.pin_memory(), v.pin_memory()
+                self.cpu_cache.append((k, v))
+
+    @staticmethod
+    def _move(src_layers, dst_layers, pairs, dst_device) -> None:
+        if not pairs:
+            return
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        src_dev = src_layers[0][0].device
+        s_idx, d_idx = src_ids.to(src_dev), dst_ids.to(dst_device)
+        for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
+            # Gather first: a copy list may read a block that it also writes.
+            dk.index_copy_(0, d_idx, sk.index_select(0, s_idx).to(dst_device, non_blocking=True))
+            dv.index_copy_(0, d_idx, sv.index_select(0, s_idx).to(dst_device, non_blocking=True))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(gpu_block, cpu_block) pairs: device -> host."""
+        if pairs and not self.cpu_cache:
+            raise RuntimeError("swap-out requested but the engine has no CPU swap space")
+        self._move(self.gpu_cache, self.cpu_cache, pairs, torch.device("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu_block, gpu_block) pairs: host -> device."""
+        self._move(self.cpu_cache, self.gpu_cache, pairs, self.device)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) pairs on the device: copy-on-write of shared blocks."""
+        self._move(self.gpu_cache, self.gpu_cache, pairs, self.device)

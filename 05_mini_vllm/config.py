@@ -1,0 +1,106 @@
+"""Engine configuration (counterpart of `vllm/engine/arg_utils.py` `EngineArgs`
+and the `vllm/config/` dataclasses it builds).
+
+`EngineConfig` gathers every knob of the engine in one validated object and
+hands the scheduler its own `SchedulerConfig` (Chapter 3). Invariants checked
+at construction, each a ValueError that names the field and its allowed range:
+* block_size in {8, 16, 32} (the sizes the kernels and tests cover);
+* dtype is one of float32 / bfloat16 / float16 (or their short names);
+* exactly one KV budget applies: `num_gpu_blocks_override` when set, else
+  `kv_cache_memory_bytes` on CPU, else `gpu_memory_utilization` on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
+BLOCK_SIZES = (8, 16, 32)
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a matching torch.dtype, got {dtype!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    dtype: str | torch.dtype = "float32"
+    device: str = "auto"                 # "auto" -> cuda when available, else cpu
+    attention_backend: str | None = None  # None -> triton on CUDA, torch on CPU
+    block_size: int = 16
+    max_model_len: int | None = None      # None -> the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # None -> 2048 (chunked) or max_model_len
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0               # swap space, in blocks
+    swap_space: float = 0.0               # swap space in GiB (vLLM v0's name); adds blocks
+    kv_cache_memory_bytes: int | None = None  # CPU default: 512 MiB
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    log_stats: bool = False
+    stats_log_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = resolve_dtype(self.dtype)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError("attention_backend must be None, 'torch' or 'triton', "
+                             f"got {self.attention_backend!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
+        for name in ("max_num_seqs",):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.swap_space < 0 or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError("swap_space must be >= 0 GiB and num_cpu_blocks an int >= 0, "
+                             f"got {self.swap_space!r} and {self.num_cpu_blocks!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """vLLM-style `LLM(model, **engine_args)`: unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+    def scheduler_config(self, max_model_len: int, num_cpu_blocks: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(2048, max_model_len) if not self.enable_chunked_prefill else 2048
+        return SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
+            preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks)

@@ -1,0 +1,97 @@
+"""The engine core: scheduler + executor, one step at a time.
+
+vLLM counterpart: `vllm/v1/engine/core.py` (`EngineCore.step`,
+`add_request`, `abort_requests`). vLLM runs it in its own process behind
+ZeroMQ; here it runs inline, which keeps one step readable end to end:
+
+    schedule() -> execute_model(scheduler_output) -> update_from_output()
+
+Invariant: after `abort_requests` or a finished request, its KV blocks are
+back in the pool before the next `schedule()`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mini_vllm.executor import UniProcExecutor
+from mini_vllm.scheduler import Request, RequestStatus, Scheduler
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler after a step (vLLM: `vllm/v1/metrics/stats.py`)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0     # tokens found, cumulative
+    num_preemptions: int = 0       # cumulative
+
+
+@dataclass
+class EngineCoreStep:
+    outputs: list = field(default_factory=list)  # EngineCoreOutput, with .logprobs attached
+    scheduler_stats: SchedulerStats | None = None
+    first_scheduled: list[str] = field(default_factory=list)
+    num_prompt_tokens_computed: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        budget_probe = config.scheduler_config(self.max_model_len, 0)
+        n_gpu, n_cpu = self.executor.determine_num_blocks(budget_probe.max_num_batched_tokens)
+        self.num_gpu_blocks, self.num_cpu_blocks = n_gpu, n_cpu
+        self.executor.initialize_cache(n_gpu, n_cpu, config.max_num_seqs)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len, n_cpu), n_gpu,
+                                   config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self._seen: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids) -> None:
+        """Requests that the detokenizer stopped (a stop string)."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreStep:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        mro = self.executor.execute_model(so)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, mro)
+        t3 = time.perf_counter()
+        lps = mro.logprobs or {}
+        for o in outputs:
+            o.logprobs = lps.get(o.request_id, [])[:len(o.new_token_ids)]
+        res = EngineCoreStep(outputs, self.make_stats())
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id not in self._seen:
+                self._seen.add(nr.req_id)
+                res.first_scheduled.append(nr.req_id)
+        self._seen -= so.finished_req_ids
+        runner = self.executor.worker.model_runner
+        res.num_prompt_tokens_computed = sum(
+            max(0, min(n, len(runner.requests[r].prompt_token_ids) - runner.requests[r].num_computed_tokens))
+            for r, n in so.num_scheduled_tokens.items() if r in runner.requests)
+        res.timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2}
+        return res
+
+    def make_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        pc = s.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(len(s.running), len(s.waiting) + len(s.staging),
+                              s.kv_cache_manager.usage, pc.queries, pc.hits, s.num_preemptions)

@@ -1,0 +1,104 @@
+"""The runner's persistent batch (counterpart of `vllm/v1/worker/gpu_input_batch.py`).
+
+The runner learns a request once (`NewRequestData`) and afterwards only what
+changed (`CachedRequestData`: new blocks, new tokens, the computed count), so
+per-step work is proportional to the change, not to the batch (seed 001
+§4.6.2). State lives in preallocated numpy rows; a removed request's row is
+filled by moving the last row into it ("condense"), so active rows are
+always 0..num_reqs-1.
+
+Invariants:
+* `req_id_to_index` and `req_ids[:num_reqs]` are inverse maps;
+* row r holds `num_tokens[r]` known token ids (prompt + sampled), and its
+  first `num_blocks[r]` block-table entries, the rest -1;
+* `requests` keeps the state of every unfinished request the runner knows,
+  including preempted ones that have no row (a swapped-out request comes back
+  with a new block table but the same tokens and generator).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]          # prompt + output, as the scheduler sent them
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: object
+    eos_token_id: int | None
+    generator: torch.Generator | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.full((max_num_reqs, max_num_blocks_per_req), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, state: CachedRequestState) -> int:
+        if state.req_id in self.req_id_to_index:
+            row = self.req_id_to_index[state.req_id]
+        else:
+            row = self.num_reqs
+            if row >= self.max_num_reqs:
+                raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows): the "
+                                   "scheduler scheduled more requests than max_num_seqs")
+            self.req_id_to_index[state.req_id] = row
+            self.req_ids[row] = state.req_id
+        n = len(state.token_ids)
+        self.token_ids_cpu[row, :n] = state.token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.set_block_ids(row, state.block_ids)
+        return row
+
+    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
+        self.block_table[row, :] = -1
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token_ids(self, row: int, token_ids: list[int]) -> None:
+        start = int(self.num_tokens[row])
+        self.token_ids_cpu[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        """Drop a row; the last active row moves into the hole (condense)."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs  # after the pop, the old last row index
+        if row != last:
+            moved = self.req_ids[last]
+            for arr in (self.token_ids_cpu, self.num_tokens, self.num_computed_tokens,
+                        self.block_table, self.num_blocks):
+                arr[row] = arr[last]
+            self.req_ids[row] = moved
+            self.req_id_to_index[moved] = row
+        self.req_ids[last] = None
+        self.block_table[last, :] = -1

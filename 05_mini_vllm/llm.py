@@ -1,0 +1,97 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`.
+
+vLLM counterpart: `vllm/entrypoints/llm.py` (`LLM.generate`, `LLM.chat`,
+`_validate_and_add_requests`, `_run_engine` with its tqdm bar).
+
+All requests of one call are validated before any is added, so a bad prompt
+raises without leaving half a batch inside the engine. Outputs come back in
+the order of the prompts.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer=None, **engine_args) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(str(model), tokenizer_obj=tokenizer, **engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None):
+        prompts = self._as_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params must be one SamplingParams or a list of "
+                                 f"{len(prompts)} (one per prompt), got {len(params)}")
+        eng = self.llm_engine
+        checked = [eng.process_inputs(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
+        ids = []
+        for i, (text, toks, sp) in enumerate(checked):
+            rid = str(next(self._counter))
+            prompt = {"prompt_token_ids": toks} if text is None else text
+            eng.add_request(rid, prompt, sp, priority=0 if priority is None else priority[i],
+                            output_kind="final_only")
+            ids.append(rid)
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template=None,
+             add_generation_prompt: bool = True):
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat_template; pass chat_template=...")
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool):
+        eng = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, object] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        n_in = n_out = 0
+        while len(done) < len(wanted) and eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    n_in += len(out.prompt_token_ids)
+                    n_out += sum(len(o.token_ids) for o in out.outputs)
+                    if bar is not None:
+                        el = time.perf_counter() - start
+                        bar.set_postfix_str(f"est. speed input: {n_in / el:.1f} toks/s, "
+                                            f"output: {n_out / el:.1f} toks/s", refresh=False)
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

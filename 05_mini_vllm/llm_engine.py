@@ -1,0 +1,147 @@
+"""The synchronous engine: requests in, streaming `RequestOutput`s out.
+
+vLLM counterpart: `vllm/v1/engine/llm_engine.py` (`LLMEngine`: `add_request`,
+`step`, `abort_request`, `has_unfinished_requests`), with the input checks of
+`vllm/v1/engine/processor.py`.
+
+One `step()` = one scheduler step + one forward pass + detokenization of what
+it produced. Every request is validated completely before anything about it
+is stored, so a bad request raises a ValueError that names the field and its
+allowed range and leaves the engine and the other requests untouched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from mini_vllm.config import EngineConfig
+from mini_vllm.engine_core import EngineCore
+from mini_vllm.metrics import EngineMetrics, LoggingStatLogger
+from mini_vllm.output_processor import OutputProcessor
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler import Request
+
+logger = logging.getLogger("mini_vllm")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:  # a folder with weights but no tokenizer files
+        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts work", path, e)
+        return None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        self.config = config
+        self.engine_core = EngineCore(config)
+        self.model_config = self.engine_core.model_config
+        self.max_model_len = self.engine_core.max_model_len
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+        self.stat_logger = LoggingStatLogger(config.stats_log_interval_s) if config.log_stats else None
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos if eos is not None else (self.model_config.eos_token_ids or (None,))[0]
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
+        tok = kwargs.pop("tokenizer_obj", None)
+        return cls(EngineConfig.from_kwargs(model, **kwargs), tok)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------ requests
+    def process_inputs(self, prompt, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+        """Validate one request; returns (prompt text, prompt token ids, params)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
+            text, ids = prompt, list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+        else:
+            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        vocab, limit = self.model_config.vocab_size, self.max_model_len
+        if not ids:
+            raise ValueError("prompt must contain at least 1 token, got an empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab}) (the vocabulary), got {bad[:5]}")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+                             f"({limit}) to leave room for output")
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens must be <= max_model_len - prompt length = "
+                             f"{limit - len(ids)}, got {params.max_tokens}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
+        return text, ids, params
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    output_kind: str = "cumulative") -> None:
+        request_id = str(request_id)
+        if request_id in self.output_processor.request_states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids, params = self.process_inputs(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, ids, params, eos_token_id=self.eos_token_id, arrival_time=arrival,
+                      priority=priority)
+        core_ids = self.output_processor.add_request(request_id, text, ids, params, output_kind, arrival)
+        try:
+            self.engine_core.add_request(req)
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            raise
+        del core_ids
+
+    def abort_request(self, request_ids) -> None:
+        """Stop requests now; their KV blocks return to the pool at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core = [c for rid in request_ids for c in self.output_processor.core_ids(rid)]
+        self.engine_core.abort_requests(core)
+        self.output_processor.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.request_states) or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.request_states)
+
+    # ---------------------------------------------------------------- step
+    def step(self):
+        res = self.engine_core.step()
+        now = time.monotonic()
+        self.output_processor.mark_scheduled(res.first_scheduled, now)
+        t0 = time.perf_counter()
+        outs, to_finish, it = self.output_processor.process_outputs(res.outputs, now)
+        if to_finish:
+            self.engine_core.finish_stopped(to_finish)
+        res.timings["detokenize"] = time.perf_counter() - t0
+        it.num_prompt_tokens = res.num_prompt_tokens_computed
+        self.metrics.record(it, res.scheduler_stats, res.timings)
+        if self.stat_logger is not None:
+            self.stat_logger.record(it, res.scheduler_stats)
+        return outs
+
+    def get_stats(self) -> dict:
+        return self.metrics.summary()

@@ -1,0 +1,171 @@
+"""The model runner: persistent batch -> flat inputs -> forward -> sample.
+
+vLLM counterpart: `vllm/v1/worker/gpu_model_runner.py` (`GPUModelRunner`:
+`_update_states`, `_prepare_inputs`, `execute_model`, `initialize_kv_cache`).
+
+One `execute_model(scheduler_output)` call:
+1. updates the persistent batch from the SchedulerOutput alone (finished and
+   preempted requests leave; new ones arrive with their tokens and block
+   table; cached ones bring new blocks and new tokens);
+2. executes swap-out, swap-in and copy on the real KV tensors, in that order;
+3. builds input ids, positions, slot mapping, block tables, query start
+   locations and sequence lengths for the whole mixed batch (vectorised);
+4. runs the model once, computes logits only at the rows that sample
+   (the last scheduled token of a request whose prompt is complete);
+5. samples and returns the tokens (and logprobs) per request.
+Nothing here reads the scheduler's Request objects, so a tensor-parallel
+executor can broadcast the same SchedulerOutput to every worker.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.input_batch import CachedRequestState, InputBatch
+from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.scheduler import ModelRunnerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
+                 max_model_len: int, device) -> None:
+        self.model, self.model_config = model, model_config
+        self.cache_engine = cache_engine
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, CachedRequestState] = {}
+        max_blocks = -(-max_model_len // block_size)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.sampler = Sampler()
+        self.vocab_size = model_config.vocab_size
+        for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
+            layer.kv_cache = kv  # every layer reads and writes its own pair
+        self.last_step_timings: dict[str, float] = {}
+
+    # ---------------------------------------------------------- 1. states
+    def _update_states(self, so) -> None:
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove_request(rid)  # keep the state: a swapped request comes back
+        for nr in so.scheduled_new_reqs:
+            old = self.requests.get(nr.req_id)
+            gen = old.generator if old is not None else self._make_generator(nr.sampling_params)
+            st = CachedRequestState(nr.req_id, list(nr.prompt_token_ids), list(nr.token_ids),
+                                    list(nr.block_ids), nr.num_computed_tokens,
+                                    nr.sampling_params, nr.eos_token_id, gen)
+            self.requests[nr.req_id] = st
+            batch.add_request(st)
+        for cr in so.scheduled_cached_reqs:
+            st = self.requests[cr.req_id]
+            st.token_ids.extend(cr.new_token_ids)
+            st.num_computed_tokens = cr.num_computed_tokens
+            if cr.resumed_from_preemption:
+                st.block_ids = list(cr.new_block_ids)
+                batch.add_request(st)
+                continue
+            st.block_ids.extend(cr.new_block_ids)
+            row = batch.req_id_to_index.get(cr.req_id)
+            if row is None:
+                batch.add_request(st)
+                continue
+            if cr.new_token_ids:
+                batch.append_token_ids(row, cr.new_token_ids)
+            if cr.new_block_ids:
+                batch.append_block_ids(row, cr.new_block_ids)
+            batch.num_computed_tokens[row] = cr.num_computed_tokens
+
+    @staticmethod
+    def _make_generator(params):
+        seed = getattr(params, "seed", None)
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed(int(seed))
+
+    # ---------------------------------------------------------- 3. inputs
+    def _prepare_inputs(self, so):
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), dtype=np.int64,
+                           count=len(req_ids))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        computed = batch.num_computed_tokens[rows]
+        for i, rid in enumerate(req_ids):  # drafts sit after the known tokens
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                n = int(batch.num_tokens[rows[i]])
+                batch.token_ids_cpu[rows[i], n:n + len(drafts)] = drafts
+        query_start_loc = compute_query_start_loc(num_sched)
+        positions = compute_positions(computed, num_sched)
+        req_indices = np.repeat(np.arange(len(req_ids)), num_sched)
+        input_ids = batch.token_ids_cpu[rows[req_indices], positions]
+        block_table = batch.block_table[rows]
+        slot_mapping = compute_slot_mapping(block_table, req_indices, positions, self.block_size)
+        seq_lens = computed + num_sched
+        num_drafts = np.array([len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids],
+                              dtype=np.int64)
+        samples = seq_lens - num_drafts >= batch.num_tokens[rows]  # prompt complete
+        max_blocks = max(1, int(-(-seq_lens.max() // self.block_size)))
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_table[:, :max_blocks])).to(dev),
+            cu_seqlens_q=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=num_sched.tolist(), seq_lens_cpu=seq_lens.tolist())
+        # Logit rows: the last token of each sampling request, plus its draft rows.
+        logit_rows, sample_req = [], []
+        for i in np.flatnonzero(samples):
+            end = int(query_start_loc[i + 1])
+            k = int(num_drafts[i])
+            logit_rows.extend(range(end - 1 - k, end))
+            sample_req.append(int(i))
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                req_ids, logit_rows, sample_req)
+
+    # ---------------------------------------------------------- 4-5. run
+    @torch.inference_mode()
+    def execute_model(self, so) -> ModelRunnerOutput:
+        self._update_states(so)
+        ce = self.cache_engine
+        ce.swap_out(so.blocks_to_swap_out)
+        ce.swap_in(so.blocks_to_swap_in)
+        ce.copy(so.blocks_to_copy)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput([], {}, [])
+        input_ids, positions, md, req_ids, logit_rows, sample_req = self._prepare_inputs(so)
+        with set_forward_context(md):
+            hidden = self.model(input_ids, positions)
+        sampled: dict[str, list[int]] = {r: [] for r in req_ids}
+        logprobs: dict[str, list] = {}
+        if sample_req:
+            if any(so.scheduled_spec_decode_tokens.get(req_ids[i]) for i in sample_req):
+                raise NotImplementedError("speculative decoding inside the engine is not built yet")
+            idx = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            states = [self.requests[req_ids[i]] for i in sample_req]
+            md_s = SamplingMetadata.from_params(
+                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states], [s.generator for s in states],
+                [s.eos_token_id for s in states], self.vocab_size, logits.device)
+            out = self.sampler(logits, md_s)
+            toks = out.sampled_token_ids.tolist()
+            lp = out.logprobs_tensors
+            if lp is not None:
+                ids_l, lps_l, ranks_l = (lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+                                         lp.selected_token_ranks.tolist())
+            for j, (i, st) in enumerate(zip(sample_req, states)):
+                sampled[req_ids[i]] = [int(toks[j])]
+                n_lp = getattr(st.sampling_params, "logprobs", None)
+                if lp is not None and n_lp is not None:
+                    logprobs[req_ids[i]] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+        mro = ModelRunnerOutput.from_dict(sampled)
+        mro.logprobs = logprobs or None
+        return mro

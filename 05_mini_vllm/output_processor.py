@@ -1,0 +1,185 @@
+"""Turn the engine core's per-step token lists into `RequestOutput`s.
+
+vLLM counterpart: `vllm/v1/engine/output_processor.py` (`OutputProcessor`,
+`RequestState`) and `vllm/v1/engine/parallel_sampling.py` (`ParentRequest`,
+which gathers the n samples of one request).
+
+Per request it keeps the detokenizer, the tokens, logprobs, timing, and for
+n > 1 one `_Sample` per sibling. Output kinds (vLLM's `RequestOutputKind`):
+"cumulative" (everything so far, every step), "delta" (only what is new),
+"final_only" (one output when the request finishes; `LLM.generate` uses it).
+Invariant: a request's `finished` output is produced exactly once, and its
+state is dropped right after.
+"""
+from __future__ import annotations
+
+import time
+
+from mini_vllm.detokenizer import IncrementalDetokenizer
+from mini_vllm.metrics import FinishedRequestStats, IterationStats
+from mini_vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mini_vllm.scheduler.scheduler import child_request_id
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+class _Sample:
+    def __init__(self, index: int, detok: IncrementalDetokenizer, want_logprobs: bool) -> None:
+        self.index = index
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.logprobs = [] if want_logprobs else None
+        self.cumulative_logprob = 0.0 if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.sent_tokens = 0
+        self.last_token_time: float | None = None
+        self.final_sent = False
+
+
+class RequestState:
+    def __init__(self, request_id, prompt, prompt_token_ids, params, tokenizer, output_kind,
+                 arrival_time) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params, self.output_kind, self.tokenizer = params, output_kind, tokenizer
+        n = getattr(params, "n", 1)
+        lp = getattr(params, "logprobs", None) is not None
+        self.samples = [_Sample(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, params), lp)
+                        for i in range(n)]
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self._by_core_id: dict[str, tuple[RequestState, int]] = {}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, output_kind,
+                    arrival_time) -> list[str]:
+        """Register a request; returns the core request ids of its n samples."""
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        st = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
+                          output_kind, arrival_time)
+        self.request_states[request_id] = st
+        ids = [request_id] + [child_request_id(request_id, i) for i in range(1, len(st.samples))]
+        for i, cid in enumerate(ids):
+            self._by_core_id[cid] = (st, i)
+        return ids
+
+    def core_ids(self, request_id: str) -> list[str]:
+        st = self.request_states.get(request_id)
+        if st is None:
+            return []
+        return [request_id] + [child_request_id(request_id, i) for i in range(1, len(st.samples))]
+
+    def abort_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            for cid in self.core_ids(rid):
+                self._by_core_id.pop(cid, None)
+            self.request_states.pop(rid, None)
+
+    def mark_scheduled(self, core_ids, now: float) -> None:
+        for cid in core_ids:
+            hit = self._by_core_id.get(cid)
+            if hit is not None and hit[0].metrics.first_scheduled_time is None:
+                hit[0].metrics.first_scheduled_time = now
+
+    def process_outputs(self, core_outputs, now: float | None = None):
+        """Returns (request outputs, core ids stopped by a stop string, IterationStats)."""
+        now = time.monotonic() if now is None else now
+        it = IterationStats()
+        touched: dict[str, RequestState] = {}
+        to_finish: list[str] = []
+        for o in core_outputs:
+            hit = self._by_core_id.get(o.request_id)
+            if hit is None:
+                continue  # aborted meanwhile
+            st, idx = hit
+            smp = st.samples[idx]
+            if smp.finish_reason is not None:
+                continue
+            self._timing(st, smp, len(o.new_token_ids), now, it)
+            smp.token_ids.extend(o.new_token_ids)
+            self._logprobs(smp, o)
+            reason = o.finish_reason
+            stop_tok = reason == "stop" and bool(o.new_token_ids)
+            if stop_tok and o.new_token_ids[-1] in st.params.stop_token_ids:
+                smp.stop_reason = o.new_token_ids[-1]
+            hit_str = smp.detok.update(o.new_token_ids, stop_terminated=stop_tok)
+            if hit_str is not None:  # a stop string wins over the length cap
+                if reason is None:
+                    to_finish.append(o.request_id)  # the core must free its blocks
+                reason, smp.stop_reason = "stop", hit_str
+            smp.finish_reason = reason
+            touched[st.request_id] = st
+        outs = []
+        for st in touched.values():
+            if st.finished:
+                st.metrics.finished_time = now
+                it.finished_requests.append(self._finished_stats(st))
+                self.abort_requests([st.request_id])
+            ro = self._make_output(st)
+            if ro is not None:
+                outs.append(ro)
+        return outs, to_finish, it
+
+    def _timing(self, st, smp, n_new, now, it) -> None:
+        if n_new == 0:
+            return
+        it.num_generation_tokens += n_new
+        m = st.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            it.time_to_first_tokens.append(now - m.arrival_time)
+        if smp.last_token_time is not None:
+            it.inter_token_latencies.append(now - smp.last_token_time)
+            m.inter_token_latencies.append(now - smp.last_token_time)
+        smp.last_token_time = m.last_token_time = now
+
+    def _logprobs(self, smp, o) -> None:
+        if smp.logprobs is None:
+            return
+        for tok, entry in zip(o.new_token_ids, getattr(o, "logprobs", None) or []):
+            ids, lps, rank = entry
+            d = {int(ids[0]): Logprob(float(lps[0]), int(rank), self._text(ids[0]))}
+            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                d.setdefault(int(t), Logprob(float(lp), r, self._text(t)))
+            smp.logprobs.append(d)
+            smp.cumulative_logprob += float(lps[0])
+
+    def _text(self, tok) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([int(tok)])
+
+    def _finished_stats(self, st) -> FinishedRequestStats:
+        m = st.metrics
+        first = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+        return FinishedRequestStats(st.request_id, st.samples[0].finish_reason,
+                                    m.finished_time - m.arrival_time, first - m.arrival_time,
+                                    m.ttft, len(st.prompt_token_ids),
+                                    sum(len(s.token_ids) for s in st.samples))
+
+    def _make_output(self, st: RequestState) -> RequestOutput | None:
+        finished = st.finished
+        if st.output_kind == "final_only" and not finished:
+            return None
+        delta = st.output_kind == "delta"
+        comps = []
+        for s in st.samples:
+            done = s.finish_reason is not None
+            toks = s.token_ids[s.sent_tokens:] if delta else list(s.token_ids)
+            if delta and not toks and (not done or s.final_sent):
+                continue
+            s.final_sent = done
+            lps = None if s.logprobs is None else (s.logprobs[s.sent_tokens:] if delta else list(s.logprobs))
+            comps.append(CompletionOutput(s.index, s.detok.get_next_output_text(done, delta), toks,
+                                          s.cumulative_logprob, lps, s.finish_reason, s.stop_reason))
+            s.sent_tokens = len(s.token_ids)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, comps, finished,
+                             st.metrics, st.num_cached_tokens)

@@ -1,0 +1,103 @@
+"""One worker: loads the model, sizes and allocates the KV cache, owns the runner.
+
+vLLM counterpart: `vllm/v1/worker/gpu_worker.py` (`Worker.load_model`,
+`determine_available_memory`, `initialize_from_config`).
+
+KV budget, in order of precedence:
+* `num_gpu_blocks_override` (tests use it to force preemption);
+* CPU: `kv_cache_memory_bytes` (default 512 MiB);
+* CUDA: `gpu_memory_utilization` x total memory, minus the peak that a
+  profiling forward pass of `max_num_batched_tokens` tokens reached.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mini_vllm.attention_backends import default_backend
+from mini_vllm.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
+                                    num_blocks_for_budget)
+from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.model_runner import ModelRunner
+from mini_vllm.models.attention import set_attention_backend
+from mini_vllm.models.loader import load_model
+from mini_vllm.paged_attention import allocate_kv_cache
+
+logger = logging.getLogger("mini_vllm")
+
+
+class Worker:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
+                                                   device=self.device)
+        self.attention_backend = config.attention_backend or default_backend(self.device)
+        set_attention_backend(self.model, self.attention_backend)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings}), got {self.max_model_len}")
+        self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers, config.block_size,
+                                                  mc.num_key_value_heads, mc.head_dim,
+                                                  config.torch_dtype)
+
+    def determine_num_blocks(self, max_num_batched_tokens: int) -> tuple[int, int]:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            n_gpu = cfg.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            n_gpu = self._profile_cuda_blocks(max_num_batched_tokens)
+        else:
+            budget = cfg.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
+            n_gpu = num_blocks_for_budget(budget, self.bytes_per_block, "kv_cache_memory_bytes")
+        n_cpu = cfg.num_cpu_blocks + int(cfg.swap_space * (1 << 30) // self.bytes_per_block)
+        return n_gpu, n_cpu
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, num_tokens: int) -> int:
+        """Run the largest forward pass once and give the KV cache what is left."""
+        cfg, mc, bs = self.config, self.model_config, self.config.block_size
+        num_tokens = min(num_tokens, self.max_model_len)
+        n_blocks = -(-num_tokens // bs)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tmp = [allocate_kv_cache(n_blocks, bs, mc.num_key_value_heads, mc.head_dim,
+                                 cfg.torch_dtype, self.device) for _ in range(mc.num_hidden_layers)]
+        for layer, kv in zip(self.model.attention_layers(), tmp):
+            layer.kv_cache = kv
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=dev),
+            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=dev)[None],
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens])
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        with set_forward_context(md):
+            hidden = self.model(ids, torch.arange(num_tokens, device=dev))
+        self.model.compute_logits(hidden[-min(cfg.max_num_seqs, num_tokens):])
+        torch.cuda.synchronize(dev)
+        tmp_bytes = n_blocks * self.bytes_per_block
+        peak = torch.cuda.max_memory_allocated(dev) - tmp_bytes
+        del tmp, hidden
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = int(total * cfg.gpu_memory_utilization) - peak
+        n = num_blocks_for_budget(budget, self.bytes_per_block, "gpu_memory_utilization budget")
+        logger.info("profiling: peak %.2f GiB, KV cache %d blocks (%.2f GiB)", peak / 2**30, n,
+                    n * self.bytes_per_block / 2**30)
+        return n
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int) -> None:
+        mc, cfg = self.model_config, self.config
+        self.cache_engine = CacheEngine(mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks,
+                                        cfg.block_size, mc.num_key_value_heads, mc.head_dim,
+                                        cfg.torch_dtype, self.device)
+        self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
+                                        max_num_seqs, self.max_model_len, self.device)
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
