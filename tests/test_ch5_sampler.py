@@ -1,0 +1,322 @@
+"""Chapter 5: the engine's sampler.
+
+(a) the learner-facing filters (run under --impl=exercise too) on hand-made rows
+and against a plain-Python oracle; (b) chi-square tests of whole-sampler output
+against distributions filtered by hand, with lossy controls the same test must
+reject; (c) seeded rows; (d) penalties; (e) min_tokens; (f) logprobs; (g) greedy rows.
+"""
+import math
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mini_vllm.sampler import Sampler, apply_penalties
+from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
+
+NEG = float("-inf")
+
+
+@pytest.fixture
+def eng(chapter):
+    return chapter("engine")
+
+
+def kept(row: torch.Tensor) -> list[int]:
+    return [i for i, v in enumerate(row.tolist()) if v != NEG]
+
+
+def log_probs_row(probs):
+    return [math.log(p) for p in probs]
+
+
+def build(params, vocab, prompts=None, outputs=None, generators=None, eos=None):
+    b = len(params)
+    return SamplingMetadata.from_params(
+        params, prompts or [[0]] * b, outputs or [[] for _ in range(b)], generators or [None] * b,
+        eos or [None] * b, vocab)
+
+
+# ---------------------------------------------------------------- (a) filters
+P5 = [0.5, 0.2, 0.2, 0.06, 0.04]  # tokens 1 and 2 tie
+
+
+@pytest.mark.parametrize("k,want", [(1, [0]), (2, [0, 1, 2]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]), (0, [0, 1, 2, 3, 4]),
+                                    (-1, [0, 1, 2, 3, 4]), (5, [0, 1, 2, 3, 4]), (99, [0, 1, 2, 3, 4])])
+def test_top_k_hand_rows(eng, k, want):
+    logits = torch.tensor([[5.0, 4.0, 4.0, 3.0, 1.0]])
+    out = eng.apply_top_k_top_p(logits.clone(), torch.tensor([k]), None)
+    assert kept(out[0]) == want, f"top_k={k}: ties with the k-th logit stay, 0/-1/>=vocab disable top-k"
+    assert torch.equal(out[0, want], logits[0, want]), "kept logits must keep their values"
+
+
+@pytest.mark.parametrize("p,want", [(0.45, [0]), (0.5, [0]), (0.6, [0, 1, 2]), (0.75, [0, 1, 2]), (0.95, [0, 1, 2, 3]),
+                                    (0.97, [0, 1, 2, 3, 4]), (1.0, [0, 1, 2, 3, 4]), (1e-6, [0])])
+def test_top_p_hand_rows(eng, p, want):
+    logits = torch.tensor([log_probs_row(P5)])
+    out = eng.apply_top_k_top_p(logits.clone(), None, torch.tensor([p]))
+    assert kept(out[0]) == want, (
+        f"top_p={p}: keep a token iff the mass strictly more likely than it is < top_p (ties together)")
+
+
+def test_top_p_after_top_k_is_renormalised(eng):
+    logits = torch.tensor([log_probs_row([0.4, 0.3, 0.2, 0.1])] * 2)
+    out = eng.apply_top_k_top_p(logits.clone(), torch.tensor([2, 0]), torch.tensor([0.5, 0.5]))
+    # Row 0: top-2 renormalised is [4/7, 3/7]; 4/7 >= 0.5 so token 1 goes. Row 1: 0.4 < 0.5 keeps token 1.
+    assert kept(out[0]) == [0], "top-p must run on the top-k survivors renormalised, after top-k"
+    assert kept(out[1]) == [0, 1], "per-row parameters: row 1 has top-k disabled"
+
+
+def test_top_token_survives_and_top_ties(eng):
+    logits = torch.tensor([[1.0, 7.0, 7.0, 2.0], [0.0, 0.0, 9.0, 0.0]])
+    out = eng.apply_top_k_top_p(logits.clone(), torch.tensor([1, 1]), torch.tensor([1e-6, 1e-6]))
+    assert kept(out[0]) == [1, 2], "tied top tokens must both survive top-k=1 and a tiny top-p"
+    assert kept(out[1]) == [2], "the most likely token always survives"
+
+
+def test_top_p_one_keeps_long_tail(eng):
+    # 4096 tokens with a tiny tail: a float32 cumulative sum reaches 1 before the end.
+    logits = torch.cat([torch.tensor([[12.0]]), torch.full((1, 4095), -8.0)], dim=1)
+    out = eng.apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0]))
+    assert torch.equal(out, logits), "top_p == 1 must disable top-p even when rounding saturates the cumsum"
+
+
+def test_filters_none_and_no_mutation(eng):
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    assert torch.equal(eng.apply_top_k_top_p(logits, None, None), before), "no filter means unchanged logits"
+    eng.apply_top_k_top_p(logits, torch.tensor([2, 3, 0]), torch.tensor([0.5, 1.0, 0.3]))
+    eng.apply_min_p(logits, torch.tensor([0.2, 0.0, 0.9]))
+    assert torch.equal(logits, before), "filters must return a new tensor, not edit the caller's logits"
+
+
+@pytest.mark.parametrize("m,want", [(0.3, [0, 1, 2]), (0.1, [0, 1, 2, 3]), (0.0, [0, 1, 2, 3, 4]), (1.0, [0])])
+def test_min_p_hand_rows(eng, m, want):
+    logits = torch.tensor([log_probs_row(P5)])
+    out = eng.apply_min_p(logits.clone(), torch.tensor([m]))
+    # min_p=0.3 keeps the 0.2 tokens: the threshold is 0.3 * 0.5 = 0.15, relative to the max, not 0.3.
+    assert kept(out[0]) == want, f"min_p={m}: keep p >= min_p * max_p"
+
+
+def test_min_p_one_keeps_tied_max(eng):
+    out = eng.apply_min_p(torch.tensor([[3.0, 1.0, 3.0]]), torch.tensor([1.0]))
+    assert kept(out[0]) == [0, 2], "tokens tied with the maximum pass min_p == 1"
+
+
+def test_filters_reject_bad_shapes(eng):
+    logits = torch.zeros(2, 5)
+    for call in (lambda: eng.apply_top_k_top_p(logits, torch.tensor([1]), None),
+                 lambda: eng.apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.5, 0.5])),
+                 lambda: eng.apply_top_k_top_p(torch.zeros(5), None, torch.tensor([0.5])),
+                 lambda: eng.apply_min_p(logits, torch.tensor([0.1]))):
+        with pytest.raises(ValueError):
+            call()
+
+
+def oracle_filter(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Plain-Python processed distribution (float64): temperature, min-p, top-k, top-p, ties kept."""
+    z = [x / temperature for x in logits]
+    m = max(z)
+    p = [math.exp(x - m) for x in z]
+    p = [x / sum(p) for x in p]
+    keep = [x >= min_p * max(p) for x in p]
+    if 0 < top_k < len(p):
+        kth = sorted((x for x, k in zip(p, keep) if k), reverse=True)[min(top_k, sum(keep)) - 1]
+        keep = [k and x >= kth for x, k in zip(p, keep)]
+    s = sum(x for x, k in zip(p, keep) if k)
+    q = [x / s if k else 0.0 for x, k in zip(p, keep)]
+    if top_p < 1.0:
+        q = [x if sum(y for y in q if y > x) < top_p else 0.0 for x in q]
+        q = [x / sum(q) for x in q]
+    return q
+
+
+def test_filters_match_python_oracle(eng):
+    rng = random.Random(5)
+    rows, ks, ps, ms, wants = [], [], [], [], []
+    while len(rows) < 60:
+        v = rng.randint(2, 12)
+        row = [float(rng.randint(-4, 4)) * 0.5 for _ in range(v)]  # coarse values: many ties
+        k, p, m = rng.choice([0, -1, 1, 2, 3, 5, 20]), rng.choice([1.0, 0.3, 0.6, 0.9]), rng.choice([0.0, 0.05, 0.3])
+        probs = oracle_filter(row, min_p=m, top_k=max(k, 0))
+        full = oracle_filter(row, min_p=m, top_k=max(k, 0), top_p=p)
+        masses = {sum(y for y in probs if y > x) for x in probs}
+        if any(abs(s - p) < 1e-4 for s in masses):  # exact boundary: float32 may go either way
+            continue
+        rows.append(row + [NEG] * (12 - v))
+        ks.append(k), ps.append(p), ms.append(m), wants.append([i for i, x in enumerate(full) if x > 0])
+    logits = torch.tensor(rows)
+    out = eng.apply_top_k_top_p(eng.apply_min_p(logits, torch.tensor(ms)), torch.tensor(ks), torch.tensor(ps))
+    for i, want in enumerate(wants):
+        assert kept(out[i]) == want, f"row {rows[i]} k={ks[i]} p={ps[i]} min_p={ms[i]}: mask differs from the oracle"
+
+
+# ------------------------------------------------------------- (b) statistics
+LOGITS8 = [2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -1.0]
+N_SAMPLES = 20_000
+CONFIGS = {  # name: (params for the sampler, lossy control: (params, logits transform))
+    "temperature": (dict(temperature=0.7), (dict(temperature=0.7), lambda z: [x / 0.7 for x in z])),
+    "top_k": (dict(top_k=3), (dict(top_k=2), None)),
+    "top_p": (dict(top_p=0.6), (dict(top_p=0.45), None)),  # 0.45 drops the boundary token
+    "min_p": (dict(min_p=0.2), (dict(min_p=0.4), None)),  # 0.4 drops the 4th token
+    "combined": (dict(temperature=0.8, top_k=5, top_p=0.8, min_p=0.1),
+                 (dict(temperature=0.8, top_k=5, top_p=0.8, min_p=0.1), lambda z: [x / 0.8 for x in z])),
+}
+ALPHA = 1e-3 / len(CONFIGS)  # Bonferroni: family-wise 1e-3 over the configurations
+
+
+def sample_counts(logits, params):
+    torch.manual_seed(1234)
+    md = build([SamplingParams(**params)] * N_SAMPLES, len(logits))
+    tokens = Sampler()(torch.tensor([logits] * N_SAMPLES), md).sampled_token_ids
+    return torch.bincount(tokens, minlength=len(logits)).tolist()
+
+
+def chi_square_p(counts, expected_probs):
+    if any(c > 0 and q == 0 for c, q in zip(counts, expected_probs)):
+        return 0.0  # a token outside the support: impossible under the expected distribution
+    obs = [c for c, q in zip(counts, expected_probs) if q > 0]
+    exp = [q * N_SAMPLES for q in expected_probs if q > 0]
+    if len(obs) == 1:
+        return 1.0 if obs[0] == N_SAMPLES else 0.0
+    return float(chisquare(obs, exp).pvalue)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sampler_distribution_chi_square(name):
+    params, (lossy_params, lossy_logits) = CONFIGS[name]
+    expected = oracle_filter(LOGITS8, **params)
+    p_ok = chi_square_p(sample_counts(LOGITS8, params), expected)
+    assert p_ok > ALPHA, f"{name}: sampled tokens do not follow the hand-filtered distribution (p={p_ok:.2e})"
+    # Power: a lossy variant (temperature applied twice, or a filter one step too tight) must be rejected.
+    bad_logits = lossy_logits(LOGITS8) if lossy_logits else LOGITS8
+    p_bad = chi_square_p(sample_counts(bad_logits, lossy_params), expected)
+    assert p_bad < ALPHA, f"{name}: the chi-square test cannot tell a lossy sampler apart (p={p_bad:.2e})"
+
+
+# ---------------------------------------------------------- (c) seeded rows
+def run_steps(batch_params, seeded_rows, steps, vocab=50):
+    """Tokens per step; generators made once per seeded row and kept across steps, like a request's."""
+    gens = [torch.Generator().manual_seed(p.seed) if i in seeded_rows else None for i, p in enumerate(batch_params)]
+    g_logits = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(steps):
+        step_logits = 2.0 * torch.randn(1, vocab, generator=g_logits)  # same logits for every row
+        md = build(batch_params, vocab, generators=gens)
+        torch.rand(13)  # unrelated global-RNG use between steps must not matter
+        out.append(Sampler()(step_logits.expand(len(batch_params), vocab).contiguous(), md).sampled_token_ids.tolist())
+    return out
+
+
+def test_seeded_rows_reproducible_and_batch_invariant():
+    target = SamplingParams(temperature=0.9, top_k=20, seed=1234)
+    alone = [s[0] for s in run_steps([target], {0}, 8)]
+    torch.manual_seed(7)
+    again = [s[0] for s in run_steps([target], {0}, 8)]
+    assert alone == again, "a seeded request must give the same tokens on every run"
+    neighbours = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.5, top_p=0.7, seed=5), target, SamplingParams(min_p=0.1)]
+    in_batch = [s[3] for s in run_steps(neighbours, {2, 3}, 8)]
+    assert in_batch == alone, (
+        "a seeded row must draw only from its own generator: batch neighbours (random, greedy, seeded, "
+        "top-p forcing the sort path) changed its tokens")
+    other_seed = [s[0] for s in run_steps([SamplingParams(temperature=0.9, top_k=20, seed=4321)], {0}, 8)]
+    assert other_seed != alone, "a different seed must give different draws"
+
+
+# ---------------------------------------------------------- (d) penalties
+def test_penalties_match_hand_computation():
+    raw = [1.5, -0.5, 2.0, 0.8, -1.0, 0.2]
+    prompt, output = [1, 2], [2, 3, 3]
+    rep, freq, pres = 2.0, 0.5, 0.25
+    want = []
+    for t, x in enumerate(raw):
+        if t in prompt or t in output:  # repetition: prompt and output, sign-aware
+            x = x / rep if x > 0 else x * rep
+        x -= freq * output.count(t)  # frequency and presence: output only
+        x -= pres * (t in output)
+        want.append(x)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres),
+              SamplingParams(temperature=0.0)]
+    md = build(params, 6, prompts=[prompt, [0, 1, 2, 3]], outputs=[output, [2, 2]])
+    logits = torch.tensor([raw, raw])
+    got = apply_penalties(logits, md)
+    assert torch.allclose(got[0], torch.tensor(want), atol=1e-6), f"penalised logits {got[0].tolist()} != {want}"
+    assert torch.equal(got[1], logits[1]), "a row without penalties must be left untouched"
+    # Raw argmax is token 2; after penalties token 0 wins: the sampler must argmax the penalised logits.
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == [0, 2], "greedy must see the penalised logits"
+
+
+# ---------------------------------------------------------- (e) min_tokens
+def test_min_tokens_masks_eos_and_stop_ids():
+    vocab, eos, stop = 6, 0, 4
+    raw = torch.tensor([[9.0, 1.0, 2.0, 0.5, 8.0, 0.0]])  # EOS, then the stop id, are the likely tokens
+    for n_out, allowed_stop in ((0, False), (1, False), (2, False), (3, True)):
+        params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),
+                  SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[stop], seed=n_out)]
+        md = build(params * 100, vocab, outputs=[[5] * n_out] * 200, eos=[eos] * 200,
+                   generators=[None, torch.Generator().manual_seed(n_out)] * 100)
+        tokens = Sampler()(raw.expand(200, vocab), md).sampled_token_ids
+        hit_stop = bool(((tokens == eos) | (tokens == stop)).any())
+        if allowed_stop:
+            assert tokens[0] == eos, "once min_tokens is reached, EOS must be sampleable again"
+        else:
+            assert not hit_stop, f"with {n_out} < min_tokens=3 outputs, EOS and stop ids must be masked"
+            assert tokens[0] == 2, "greedy must pick the best token that is not a stop id"
+    md = build([SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)], vocab, eos=[eos])
+    assert Sampler()(raw, md).sampled_token_ids.tolist() == [eos], "ignore_eos: EOS does not stop, so min_tokens leaves it"
+    before = raw.clone()
+    Sampler()(raw, build([SamplingParams(temperature=0.0, min_tokens=3)], vocab, eos=[eos]))
+    assert torch.equal(raw, before), "the sampler must not edit the caller's logits"
+
+
+# ---------------------------------------------------------- (f) logprobs
+def test_logprobs_of_processed_distribution():
+    raw = [1.0, 3.0, 2.5, -1.0, 2.9, 0.0]
+    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=3),
+              SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=2.0, min_p=0.5)]
+    md = build(params, 6, generators=[torch.Generator().manual_seed(3), None, None])
+    assert md.max_num_logprobs == 2
+    out = Sampler()(torch.tensor([raw] * 3), md)
+    lp = out.logprobs_tensors
+    assert lp.logprobs.shape == (3, 3) and lp.logprob_token_ids.shape == (3, 3)
+    for row, (temp, k, m) in enumerate([(0.5, 3, 0.0), (1.0, 0, 0.0), (2.0, 0, 0.5)]):
+        q = oracle_filter(raw, temperature=temp, top_k=k, min_p=m)
+        hand = [math.log(x) if x > 0 else NEG for x in q]
+        tok = int(out.sampled_token_ids[row])
+        assert q[tok] > 0, "sampled a filtered-out token"
+        order = sorted(range(6), key=lambda t: -hand[t])
+        assert lp.logprob_token_ids[row].tolist() == [tok] + order[:2], "column 0 = sampled, then the top-N ids"
+        want = torch.tensor([hand[tok]] + [hand[t] for t in order[:2]])
+        assert torch.allclose(lp.logprobs[row], want, atol=1e-5), (
+            f"row {row}: logprobs must be of the processed distribution (temperature, filters), got "
+            f"{lp.logprobs[row].tolist()} want {want.tolist()}")
+        assert int(lp.selected_token_ranks[row]) == 1 + sum(h > hand[tok] for h in hand), "rank of the sampled token"
+    assert out.logprobs_tensors is not None and build(params[2:], 6).max_num_logprobs is None
+
+
+def test_rank_counts_ties():
+    md = build([SamplingParams(temperature=0.0, logprobs=0)], 3)
+    out = Sampler()(torch.tensor([[1.0, 4.0, 4.0]]), md)
+    assert out.sampled_token_ids.tolist() == [1]
+    assert out.logprobs_tensors.selected_token_ranks.tolist() == [2], "rank = tokens at least as likely (vLLM)"
+    assert out.logprobs_tensors.logprobs.shape == (1, 1), "logprobs=0 returns only the sampled token"
+
+
+# ---------------------------------------------------------- (g) greedy rows
+def test_greedy_rows_are_argmax_in_mixed_batches():
+    g = torch.Generator().manual_seed(11)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_p=0.5),
+             SamplingParams(temperature=0.0, top_k=2), SamplingParams(temperature=0.7, min_p=0.2, top_k=4),
+             SamplingParams(temperature=1e-6), SamplingParams(temperature=1.0)]
+    for _ in range(10):
+        logits = 3.0 * torch.randn(len(kinds), 300, generator=g)
+        out = Sampler()(logits, build(kinds, 300)).sampled_token_ids
+        for row in (0, 2, 4):
+            assert int(out[row]) == int(logits[row].argmax()), "greedy rows must be the raw argmax whatever the batch"
+    md = build([SamplingParams(temperature=0.0)] * 4, 300)
+    logits = torch.randn(4, 300, generator=g)
+    assert torch.equal(Sampler()(logits, md).sampled_token_ids, logits.argmax(-1)), "all-greedy fast path"

@@ -1,0 +1,105 @@
+"""Chapter 5: SamplingParams fields, defaults and validation (vLLM's ranges)."""
+import math
+
+import pytest
+import torch
+
+from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams, SamplingType
+from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
+
+# vLLM's defaults (vllm/sampling_params.py), written out by hand.
+VLLM_DEFAULTS = dict(
+    n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0, top_p=1.0,
+    top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=(), include_stop_str_in_output=False,
+    ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None, skip_special_tokens=True, detokenize=True,
+)
+
+
+def test_defaults_equal_vllm():
+    p = SamplingParams()
+    for name, want in VLLM_DEFAULTS.items():
+        assert getattr(p, name) == want, f"default of {name} differs from vLLM's ({want!r})"
+    assert p.sampling_type is SamplingType.RANDOM, "temperature 1 without a seed must be RANDOM"
+
+
+def test_is_a_scheduler_sampling_params():
+    p = SamplingParams(max_tokens=5, stop_token_ids=[7, 8], ignore_eos=True)
+    assert isinstance(p, SchedulerSamplingParams), "the Chapter 3 scheduler must accept engine params"
+    assert p.stop_token_ids == (7, 8), "stop_token_ids must stay the tuple the scheduler compares against"
+
+
+# (field, bad value, words the message must contain: field name and allowed range)
+BAD = [
+    ("n", 0, ">= 1"), ("n", 1.0, ">= 1"), ("n", True, ">= 1"),
+    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("temperature", math.inf, ">= 0"),
+    ("temperature", "1", ">= 0"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", -0.5, "(0, 1]"),
+    ("top_k", -2, ">= 1"), ("top_k", 2.5, ">= 1"), ("top_k", -100, ">= 1"),
+    ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
+    ("presence_penalty", -2.01, "[-2, 2]"), ("presence_penalty", 2.5, "[-2, 2]"),
+    ("frequency_penalty", -3.0, "[-2, 2]"), ("frequency_penalty", 2.01, "[-2, 2]"),
+    ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", -1.0, "> 0"),
+    ("max_tokens", 0, ">= 1"), ("max_tokens", 2.0, ">= 1"),
+    ("min_tokens", -1, "[0, max_tokens=16]"), ("min_tokens", 17, "[0, max_tokens=16]"),
+    ("logprobs", -1, ">= 0"), ("logprobs", 1.5, ">= 0"),
+    ("seed", 1.5, "int"), ("seed", "7", "int"),
+    ("stop", [""], "non-empty"), ("stop", ["ok", 3], "non-empty"),
+    ("stop_token_ids", [-1], ">= 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,allowed", BAD, ids=[f"{f}={v!r}" for f, v, _ in BAD])
+def test_bad_value_raises_naming_field_and_range(field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    msg = str(err.value)
+    assert field in msg and allowed in msg, f"message must name {field} and its range {allowed!r}: {msg!r}"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_p", 1.0), ("top_p", 1e-6), ("top_k", -1), ("top_k", 0), ("top_k", 1), ("min_p", 0.0), ("min_p", 1.0),
+    ("presence_penalty", -2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 1e-3), ("temperature", 0.0),
+    ("logprobs", 0), ("seed", 0), ("min_tokens", 16),
+])
+def test_boundary_values_accepted(field, value):
+    SamplingParams(**{field: value})  # the edges of every allowed range are legal
+
+
+def test_normalisation():
+    assert SamplingParams(stop="###").stop == ["###"], "a single stop string becomes a one-element list"
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(top_k=-1).top_k == 0, "-1 and 0 both disable top-k; one stored form"
+    # Greedy ignores the filters (vLLM resets them), including a temperature just under the epsilon.
+    for t in (0.0, 5e-6):
+        g = SamplingParams(temperature=t, top_k=5, top_p=0.5, min_p=0.3, seed=3)
+        assert (g.top_k, g.top_p, g.min_p) == (0, 1.0, 0.0), "greedy requests must drop top-k/top-p/min-p"
+        assert g.sampling_type is SamplingType.GREEDY, "temperature < 1e-5 is greedy even with a seed"
+    r = SamplingParams(temperature=2e-5, top_k=5)
+    assert r.top_k == 5 and r.sampling_type is SamplingType.RANDOM, "temperature >= 1e-5 is random"
+    assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED
+
+
+def test_clone_is_deep():
+    p = SamplingParams(stop=["x"], seed=4)
+    c = p.clone()
+    assert c == p and c is not p
+    c.stop.append("y")
+    assert p.stop == ["x"], "clone must not share the stop list with the original"
+
+
+def test_metadata_builder_checks_and_cheap_greedy_path():
+    greedy = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    md = SamplingMetadata.from_params(greedy, [[1], [2]], [[], []], [None, None], [None, None], 8)
+    assert md.all_greedy and not md.all_random and md.no_penalties
+    assert md.top_k is None and md.top_p is None and md.min_p is None and md.prompt_token_ids is None, \
+        "an all-greedy batch without penalties must not build filter or prompt tensors"
+    assert torch.equal(md.temperature, torch.zeros(2)), "greedy rows hold temperature 0 exactly"
+    with pytest.raises(ValueError, match="generators"):
+        SamplingMetadata.from_params([SamplingParams(seed=1)], [[1]], [[]], [None], [None], 8)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingMetadata.from_params([SamplingParams(logprobs=9)], [[1]], [[]], [None], [None], 8)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        SamplingMetadata.from_params([SamplingParams()], [[1]], [[]], [None], [], 8)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SamplingMetadata.from_params([SamplingParams()], [[1]], [[]], [None], [None], 0)
