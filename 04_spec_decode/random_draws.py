@@ -17,9 +17,12 @@ compared token for token:
 Seeded requests draw from their own `torch.Generator` (dict: request index ->
 generator) in a fixed order (uniforms, recovery noise, bonus noise), so their
 draws depend only on their own state, never on batch neighbours. Unseeded
-requests share the global RNG.
+requests share the global RNG. A generator keyed outside [0, batch) is a
+ValueError in both draw functions.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -27,9 +30,22 @@ import torch
 _MIN_NOISE = torch.finfo(torch.float32).tiny
 
 
+def _check_generator_keys(generators: dict | None, batch_size: int) -> None:
+    """Both draw functions reject a generator keyed outside the batch: it
+    would otherwise be silently ignored (its request's draws unseeded)."""
+    for i in generators or {}:
+        try:
+            ok = not isinstance(i, bool) and 0 <= operator.index(i) < batch_size
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"generator key {i!r} must be a request index in [0, {batch_size})")
+
+
 def generate_uniform_probs(num_draft_tokens, generators: dict | None = None, device="cpu") -> torch.Tensor:
     """U[0, 1) float32 draws, one per draft token, request-major like the drafts."""
     num_draft_tokens = [int(n) for n in num_draft_tokens]
+    _check_generator_keys(generators, len(num_draft_tokens))
     out = torch.rand(sum(num_draft_tokens), dtype=torch.float32, device=device)
     start = 0
     for i, n in enumerate(num_draft_tokens):
@@ -41,10 +57,9 @@ def generate_uniform_probs(num_draft_tokens, generators: dict | None = None, dev
 
 def generate_exponential_noise(batch_size: int, vocab_size: int, generators: dict | None = None, device="cpu") -> torch.Tensor:
     """Exp(1) float32 noise [batch, vocab], strictly positive."""
+    _check_generator_keys(generators, batch_size)
     out = torch.empty(batch_size, vocab_size, dtype=torch.float32, device=device).exponential_()
     for i, g in (generators or {}).items():
-        if not 0 <= i < batch_size:
-            raise ValueError(f"generator key {i} must be a request index in [0, {batch_size})")
         out[i].exponential_(generator=g)
     return out.clamp_(min=_MIN_NOISE)
 

@@ -20,9 +20,14 @@ Rules per request, walking draft positions i = 0..k-1 with draft x = d_i:
 - greedy: accept while x == argmax(p_i); at the first mismatch emit argmax(p_i), stop.
 - random: accept iff u_i * q_i(x) < p_i(x), i.e. with probability min(1, p/q);
   without draft probs q_i is one-hot on x, so accept with probability p_i(x).
-  At the first rejection emit argmax(residual / noise) with residual =
-  max(0, p_i - q_i) (a sample from the normalised residual), stop. If the
-  residual is all zero (rounding; only then), recover from p_i instead.
+  At the first rejection emit argmax(residual * RESIDUAL_SCALE / noise) with
+  residual = max(0, p_i - q_i) (a sample from the normalised residual), stop.
+  If the residual is all zero (rounding; only then), recover from p_i instead.
+  RESIDUAL_SCALE = 2**64 does not move the argmax (a power of two scales
+  exactly) but lifts a denormal residual, whose plain ratio to the noise
+  would round to 0 everywhere, into normal range; unlike a log-space argmax
+  it keeps the three implementations bit-identical, and a GPU's log (which
+  flushes denormals) never sees one.
 - if every draft is accepted, emit bonus_token_ids[b] at position k.
 So a request emits between 1 and k + 1 tokens; with k = 0 only the bonus.
 """
@@ -33,6 +38,11 @@ import torch
 from .validation import validate_rejection_inputs
 
 PLACEHOLDER_TOKEN_ID = -1
+# Exact power-of-two scale for the recovery race (see the module docstring):
+# the smallest denormal times 2**64 over any Exp(1) draw stays a normal float,
+# and 1 * 2**64 / noise overflows only for noise < 5e-20 (never, in practice).
+# The Triton kernel uses the same constant.
+RESIDUAL_SCALE = 2.0 ** 64
 
 
 def recover_token(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_id: int, noise: torch.Tensor) -> int:
@@ -44,7 +54,7 @@ def recover_token(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, 
         residual = torch.clamp(target_probs - draft_probs, min=0.0)
     if float(residual.max()) <= 0.0:
         residual = target_probs
-    return int((residual / noise).argmax())
+    return int((residual * RESIDUAL_SCALE / noise).argmax())
 
 
 def rejection_sample_request(
@@ -174,12 +184,14 @@ def rejection_sample(
         residual = p.clone()
         residual[torch.arange(t_r.numel(), device=device), drafts[t_r]] = 0.0
     noise = recovery_noise[rows_r]
-    pick = (residual / noise).argmax(dim=-1)
+    pick = (residual * RESIDUAL_SCALE / noise).argmax(dim=-1)
     # An all-zero residual (rounding; only then) makes every ratio 0, so the
     # pick lands on a zero entry: recover from p instead, as the reference does.
+    # (Scaled, a positive residual never gives a zero ratio, so the pick is
+    # on a zero entry only when the whole residual is zero.)
     empty = torch.nonzero(residual.gather(1, pick[:, None]).squeeze(1) <= 0.0).squeeze(1)
     if empty.numel():
-        pick[empty] = (p[empty] / noise[empty]).argmax(dim=-1)
+        pick[empty] = (p[empty] * RESIDUAL_SCALE / noise[empty]).argmax(dim=-1)
     recovered[rnd] = pick
     out[rows, first_rej[rows]] = recovered
 

@@ -14,8 +14,10 @@ independent *across* requests, so a request is the natural unit of work. Each
 program loops over its draft positions and stops doing work after the first
 rejection; the vocabulary (argmax for greedy, recovery for random) is scanned
 in BLOCK_V chunks so any vocabulary size fits. All arithmetic is fp32, with the
-same operations as the PyTorch versions (`u * q(x) < p(x)`, `max(p - q, 0) / noise`)
-so the results agree exactly; argmax ties go to the lowest index, as torch's.
+same operations as the PyTorch versions (`u * q(x) < p(x)`,
+`max(p - q, 0) * RESIDUAL_SCALE / noise`) so the results agree exactly; argmax
+ties go to the lowest index, as torch's. The exact 2**64 scale keeps a
+denormal residual's ratio from rounding to 0 (see the PyTorch module).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ import triton
 import triton.language as tl
 
 PLACEHOLDER_TOKEN_ID = -1
+# Same value as `mini_vllm.spec_decode.rejection_sampler.RESIDUAL_SCALE`
+# (kernels may not import from chapters; the tests compare the two outputs).
+RESIDUAL_SCALE = 2.0 ** 64
 
 
 @triton.jit
@@ -44,7 +49,8 @@ def _row_argmax(probs_ptr, row, vocab, BLOCK_V: tl.constexpr):
 @triton.jit
 def _recover(target_ptr, draft_probs_ptr, noise_ptr, row, noise_row, x, vocab,
              HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """argmax(max(p - q, 0) / noise), or argmax(p / noise) if the residual is all zero."""
+    """argmax(max(p - q, 0) * SCALE / noise), or argmax(p * SCALE / noise) if
+    the residual is all zero. SCALE = 2**64 (exact) lifts denormal residuals."""
     best_r = -1.0
     idx_r = 0
     best_p = -1.0
@@ -60,8 +66,8 @@ def _recover(target_ptr, draft_probs_ptr, noise_ptr, row, noise_row, x, vocab,
             q = tl.where(offs == x, 1.0, 0.0)
         res = tl.maximum(p - q, 0.0)
         e = tl.load(noise_ptr + noise_row + offs, mask=mask, other=1.0)
-        s_r = tl.where(mask, res / e, -1.0)
-        s_p = tl.where(mask, p / e, -1.0)
+        s_r = tl.where(mask, res * 18446744073709551616.0 / e, -1.0)  # RESIDUAL_SCALE
+        s_p = tl.where(mask, p * 18446744073709551616.0 / e, -1.0)
         m_r = tl.max(s_r, axis=0)
         i_r = tl.argmax(s_r, axis=0) + v0
         m_p = tl.max(s_p, axis=0)
