@@ -10,7 +10,8 @@ compared token for token:
 - `uniform_probs [num_draft_tokens_total]`: one U[0, 1) per draft token, for
   the accept test `u * q(x) < p(x)`.
 - `recovery_noise [batch, vocab]`: Exp(1) per request and vocabulary entry;
-  the recovered token is `argmax(residual / noise)`. One row per request
+  the recovered token is `argmax(residual * 2**64 / noise)` (the exact scale
+  keeps denormal residuals). One row per request
   suffices because only the *first* rejection of a request is ever emitted.
 - `bonus_noise [batch, vocab]`: same kind of noise for the bonus token.
 
