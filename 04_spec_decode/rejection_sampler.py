@@ -144,15 +144,20 @@ def rejection_sample(
 
     # Accept decision per draft token.
     # Argmax only where a greedy request needs it (a full pass over V per row).
-    target_argmax = torch.full_like(drafts, PLACEHOLDER_TOKEN_ID)
-    greedy_rows = torch.nonzero(greedy_tok).squeeze(1)
-    target_argmax[greedy_rows] = target_probs[greedy_rows].argmax(dim=-1)
-    p_x = target_probs.gather(1, drafts[:, None]).squeeze(1)
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
+    if bool(greedy_tok.all()):
+        # All greedy: argmax in place (no [T, V] row copy); p(x), q(x), u unused.
+        target_argmax = target_probs.argmax(dim=-1)
+        accepted = drafts == target_argmax
     else:
-        q_x = draft_probs.gather(1, drafts[:, None]).squeeze(1)
-    accepted = torch.where(greedy_tok, drafts == target_argmax, uniform_probs.to(device) * q_x < p_x)
+        target_argmax = torch.full_like(drafts, PLACEHOLDER_TOKEN_ID)
+        greedy_rows = torch.nonzero(greedy_tok).squeeze(1)
+        target_argmax[greedy_rows] = target_probs[greedy_rows].argmax(dim=-1)
+        p_x = target_probs.gather(1, drafts[:, None]).squeeze(1)
+        if draft_probs is None:
+            q_x = torch.ones_like(p_x)
+        else:
+            q_x = draft_probs.gather(1, drafts[:, None]).squeeze(1)
+        accepted = torch.where(greedy_tok, drafts == target_argmax, uniform_probs.to(device) * q_x < p_x)
 
     # Lay accept decisions out as [B, max_k]; padding slots count as accepted so
     # they never look like a first rejection.
@@ -207,6 +212,11 @@ class RejectionSampler:
     backend: "reference" (per-request loop), "torch" (batched) or "triton".
     """
 
+    # The samplers the "reference" and "torch" backends call; the exercise's
+    # subclass swaps in its own, so the end-to-end tests run the learner's code.
+    per_request_sampler = staticmethod(rejection_sample_reference)
+    batched_sampler = staticmethod(rejection_sample)
+
     def __init__(self, backend: str = "torch"):
         if backend not in ("reference", "torch", "triton"):
             raise ValueError(f"backend must be 'reference', 'torch' or 'triton', got {backend!r}")
@@ -227,24 +237,32 @@ class RejectionSampler:
                 f"target_logits must be [sum(num_draft_tokens + 1) = {int(num.sum()) + batch}, vocab], "
                 f"got {tuple(target_logits.shape)}"
             )
+        all_greedy = bool(sampling.is_greedy.all())
         if draft_logits is not None:
             if draft_probs is not None:
                 raise ValueError("pass draft_probs or draft_logits, not both")
-            draft_probs = compute_probs(draft_logits, sampling, num)
+            # Greedy verification never reads q, so an all-greedy batch skips it.
+            draft_probs = None if all_greedy else compute_probs(draft_logits, sampling, num)
         target_probs = compute_probs(target_logits[metadata.target_logits_indices], sampling, num)
-        bonus_probs = compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
         device = target_logits.device
-        # Fixed draw order per seeded request: uniforms, recovery noise, bonus noise.
-        uniform = generate_uniform_probs(num.tolist(), generators, device)
-        recovery_noise = generate_exponential_noise(batch, vocab, generators, device)
-        bonus_noise = generate_exponential_noise(batch, vocab, generators, device)
         is_greedy = sampling.is_greedy.to(device)
-        bonus = torch.where(is_greedy, bonus_probs.argmax(-1), sample_from_probs(bonus_probs, bonus_noise))
+        if all_greedy:
+            # Greedy needs argmaxes only: no random draws, no bonus softmax.
+            uniform = torch.zeros(int(num.sum()), dtype=torch.float32, device=device)
+            recovery_noise = torch.ones(batch, vocab, dtype=torch.float32, device=device)
+            bonus = target_logits[metadata.bonus_logits_indices].argmax(-1)
+        else:
+            bonus_probs = compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
+            # Fixed draw order per seeded request: uniforms, recovery noise, bonus noise.
+            uniform = generate_uniform_probs(num.tolist(), generators, device)
+            recovery_noise = generate_exponential_noise(batch, vocab, generators, device)
+            bonus_noise = generate_exponential_noise(batch, vocab, generators, device)
+            bonus = torch.where(is_greedy, bonus_probs.argmax(-1), sample_from_probs(bonus_probs, bonus_noise))
         args = (metadata.draft_token_ids, num, draft_probs, target_probs, bonus, is_greedy, uniform, recovery_noise)
         if self.backend == "reference":
-            return rejection_sample_reference(*args)
+            return self.per_request_sampler(*args)
         if self.backend == "torch":
-            return rejection_sample(*args)
+            return self.batched_sampler(*args)
         from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
 
         validate_rejection_inputs(*args)

@@ -47,6 +47,8 @@ def test_decode_sees_every_cached_position_and_nothing_else(chapter):
     table = torch.tensor([row + [-1]], dtype=torch.int32)
     got = float(pa.paged_attention_decode(torch.zeros(1, 1, 2), kc, vc, table,
                                           torch.tensor([5], dtype=torch.int32), 1.0)[0, 0, 0])
+    assert got != 0.0, ("decode saw only position 0: its query is position seq_len - 1 and sees every earlier "
+                        "position (no causal offset for the last q_len queries?)")
     assert got != 1.5, "decode saw only positions 0..3 (mean 1.5): it must also see its own token at seq_len - 1"
     assert got < 100, (f"mean {got}: stale slots were read, either past seq_len (keep exactly seq_len "
                        "positions) or from a block not in the table (blocks are not contiguous)")
