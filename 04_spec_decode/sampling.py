@@ -110,7 +110,10 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_req
     top_k = torch.where(greedy, 0, expand(sampling.top_k))
     top_p = torch.where(greedy, 1.0, expand(sampling.top_p))
     logits = logits.float() / temp.unsqueeze(1)
-    logits = apply_top_k_top_p(logits, top_k, top_p)
+    # The full sort in apply_top_k_top_p dominates the cost; skip it when no
+    # row filters (every all-greedy batch, and plain temperature sampling).
+    if bool((((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)).any()):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
     return logits.softmax(dim=-1)
 
 
