@@ -19,6 +19,7 @@ per-request loop, so every test of the chapter runs your code.
 """
 from __future__ import annotations
 
+import numpy as np  # noqa: F401  (for your propose_ngram)
 import torch
 
 from . import proposers as _proposers
@@ -41,7 +42,8 @@ def recover_token(target_probs, draft_probs, draft_token_id, noise) -> int:
         "recover_token: residual = max(0, p - q) elementwise (torch.clamp(..., min=0)); without "
         "draft_probs q is one-hot on the draft, so residual = p with p[draft_token_id] set to 0 (on a copy). "
         "Sample it with the exponential race: int(argmax(residual / noise)) (no need to normalise). "
-        "If the residual is all zero (p == q up to rounding), use p itself instead. Recovering from p "
+        "If the residual is all zero (p == q up to rounding), use p itself instead. (The reference also "
+        "multiplies the residual by 2**64 so that a denormal residual's ratios do not round to 0.) Recovering from p "
         "when a residual exists is the classic lossy mistake; tests/test_ch4_examples.py checks it."
     )
 

@@ -67,7 +67,9 @@ def test_rejection_emits_residual_sample(chapter):
     sd = chapter("spec_decode")
     for name, got in every_sampler(sd, [0], [Q], [P], 2, False, [0.9], [1.0, 1.0, 0.6]).items():
         assert got != [0, 2], f"{name}: draft 0 accepted although u * q(x) = 0.72 >= p(x) = 0.5"
-        assert got != [0], f"{name}: recovered token drawn from p instead of the residual max(0, p - q)"
+        assert got[0] != 0, f"{name}: recovered token drawn from p instead of the residual max(0, p - q)"
+        assert len(got) == 1, (f"{name}: emitted {got}: nothing follows the recovered token (no bonus token "
+                               "after a rejection, no verification of later drafts)")
         assert got == [1], f"{name}: rejected draft 0 must emit only the residual sample 1, got {got}"
 
 
