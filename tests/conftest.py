@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+# One intra-op thread: the tests' tensors are small, and on a shared 2-core
+# machine more threads than free cores make PyTorch ops 10-100x slower.
+torch.set_num_threads(int(os.environ.get("MINI_VLLM_TEST_THREADS", "1")))
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,0 +1,52 @@
+"""Helpers shared by the Chapter 5 engine tests: build a small engine, run
+greedy workloads, and check that every KV block came back."""
+from __future__ import annotations
+
+import torch
+
+from mini_vllm import LLM, SamplingParams
+from mini_vllm.tiny_models import model_path
+
+SMALL_KV = 8 << 20  # 8 MiB: ~200 blocks of the tiny target in fp32, cheap to allocate
+
+
+def target_path() -> str:
+    return str(model_path("tiny-py-target"))
+
+
+def make_llm(path: str | None = None, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("kv_cache_memory_bytes", SMALL_KV)
+    kw.setdefault("device", "cpu")
+    return LLM(path or target_path(), **kw)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run_greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(m) for m in max_tokens], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_pool_full(llm: LLM) -> None:
+    core = llm.llm_engine.engine_core
+    kv = core.scheduler.kv_cache_manager
+    assert not core.scheduler.has_unfinished_requests(), "requests left in the scheduler"
+    assert kv.num_free_blocks == core.num_gpu_blocks, (
+        f"KV blocks leaked: {core.num_gpu_blocks - kv.num_free_blocks} of {core.num_gpu_blocks} "
+        "still held after every request finished")
+    assert core.scheduler.cpu_block_pool.num_free_blocks == core.num_cpu_blocks, \
+        "CPU swap blocks leaked after every request finished"
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            min_new_tokens=max_tokens, do_sample=False, top_k=None, top_p=None,
+                            temperature=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
