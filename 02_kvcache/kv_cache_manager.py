@@ -60,6 +60,9 @@ class KVCacheManager:
         self._hash_owner: dict[str, Any] = {}  # the request object each hash list belongs to
         self._num_cached_blocks: dict[str, int] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
+        # Requests whose block list changed in place (copy-on-write) since the
+        # last take: a runner holding their old table must get the new one.
+        self._cow_request_ids: set[str] = set()
 
     # ---- views --------------------------------------------------------------
     @property
@@ -75,6 +78,11 @@ class KVCacheManager:
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self._req_blocks.get(request_id, ()))
+
+    def take_cow_request_ids(self) -> set[str]:
+        """Requests whose existing blocks were replaced by private copies since the last call."""
+        out, self._cow_request_ids = self._cow_request_ids, set()
+        return out
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """(src, dst) block copies owed to the runner since the last call."""
@@ -182,6 +190,8 @@ class KVCacheManager:
         if new_computed_blocks:
             self._num_cached_blocks[rid] = len(new_computed_blocks)
 
+        if cow:
+            self._cow_request_ids.add(rid)
         for i in cow:
             old = blocks[i]
             (new,) = self.block_pool.get_new_blocks(1)

@@ -53,7 +53,7 @@ class MiniRunner:
         for nr in out.scheduled_new_reqs:
             self.tables[nr.req_id] = list(nr.block_ids)
         for cr in out.scheduled_cached_reqs:
-            if cr.resumed_from_preemption:
+            if cr.resumed_from_preemption or cr.replace_block_ids:
                 self.tables[cr.req_id] = list(cr.new_block_ids)
             else:
                 self.tables[cr.req_id].extend(cr.new_block_ids)

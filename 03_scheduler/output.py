@@ -39,7 +39,8 @@ class CachedRequestData:
     """A request the runner already knows.
 
     `new_block_ids` are appended to its block table, except when
-    `resumed_from_preemption` (swap-in): then they *replace* the table.
+    `replace_block_ids` (a swap-in, or a copy-on-write that gave the request a
+    private copy of a shared block): then they *replace* the table.
     `new_token_ids` are the tokens sampled since the runner last saw it (empty
     when the runner produced them itself).
     """
@@ -49,6 +50,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_computed_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
+    # True when `new_block_ids` is the whole table: a swap-in, or a
+    # copy-on-write replaced one of the request's existing blocks.
+    replace_block_ids: bool = False
 
 
 @dataclass

@@ -110,12 +110,17 @@ class StepState:
             self.preempt(victim)
             if victim is req:
                 return
+        self._commit_running(req, d, n_spec, new)
+
+    def _commit_running(self, req, d: int, n_spec: int, new_blocks) -> None:
+        """Record a running request's Δ (its blocks are allocated): charge the
+        budget, note its drafts and its new block ids for the runner."""
         rid = req.request_id
         self.budget -= d
         self.num_scheduled[rid] = d
         if n_spec:
             self.spec[rid] = list(req.spec_token_ids[:n_spec])
-        self.cached[rid] = (False, [b.block_id for b in new] if new else [])  # decode: usually none
+        self.cached[rid] = (False, [b.block_id for b in new_blocks] if new_blocks else [])  # decode: usually none
 
     def pick_victim(self):
         """The preemption victim among the running requests not yet scheduled
@@ -176,6 +181,14 @@ class StepState:
             return False
         if self.kv.allocate_slots(req, d, n_hit, hit_blocks) is None:
             return False
+        self._commit_admission(req, d, n_hit, swapped)
+        return True
+
+    def _commit_admission(self, req, d: int, n_hit: int, swapped: bool) -> None:
+        """Move an admitted request (its blocks are allocated) from waiting or
+        staging to running: charge the budget, set its prefix hits as computed
+        (or plan its swap-in) and record what the runner must be told."""
+        s = self.s
         if req in s.staging:
             s.staging.remove(req)
         else:
@@ -196,7 +209,6 @@ class StepState:
             req.num_computed_tokens = n_hit  # Table 4.1, prefix caching row
             self._record_hits(req, n_hit)
             self.new_reqs.append((req, block_ids))
-        return True
 
     # ------------------------------------------------------------- output
     def finish(self) -> SchedulerOutput:
@@ -215,15 +227,19 @@ class StepState:
         for req, block_ids in self.new_reqs:
             if req.request_id in self.num_scheduled:
                 out.scheduled_new_reqs.append(_new_request_data(req, block_ids))
+        cow = self.kv.take_cow_request_ids()
         for rid, (resumed, ids) in self.cached.items():
             req = s.requests[rid]
+            replace = resumed or rid in cow
+            if replace:
+                ids = list(self.kv.get_block_ids(rid))
             if req.num_tokens_sent is None:  # a forked child's first schedule
                 out.scheduled_new_reqs.append(
                     _new_request_data(req, list(self.kv.get_block_ids(rid))))
                 continue
             out.scheduled_cached_reqs.append(CachedRequestData(
                 rid, resumed, ids, req.num_computed_tokens,
-                new_token_ids=req.all_token_ids[req.num_tokens_sent:]))
+                new_token_ids=req.all_token_ids[req.num_tokens_sent:], replace_block_ids=replace))
             req.num_tokens_sent = req.num_tokens
         forks = []
         for rid, d in self.num_scheduled.items():

@@ -66,7 +66,7 @@ class ModelRunner:
             st = self.requests[cr.req_id]
             st.token_ids.extend(cr.new_token_ids)
             st.num_computed_tokens = cr.num_computed_tokens
-            if cr.resumed_from_preemption:
+            if cr.resumed_from_preemption or cr.replace_block_ids:
                 st.block_ids = list(cr.new_block_ids)
                 batch.add_request(st)
                 continue
