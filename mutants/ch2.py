@@ -11,6 +11,7 @@ TESTS = [
     "tests/test_ch2_block_pool.py",
     "tests/test_ch2_hashing.py",
     "tests/test_ch2_free_queue.py",
+    "tests/test_ch2_regressions.py",
     "tests/test_ch2_stateful.py",
 ]
 MANAGER = "02_kvcache/kv_cache_manager.py"
