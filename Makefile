@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
+# The engine on the tiny model (the Chapter 1 waste table: `$(PY) -m mini_vllm.paged_attention.waste`).
 demo: $(STAMP)
-	$(PY) -m mini_vllm.paged_attention.waste
+	OMP_NUM_THREADS=1 $(PY) -m mini_vllm.demo
 
 # The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks.
 test: $(STAMP)

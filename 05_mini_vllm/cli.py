@@ -1,0 +1,97 @@
+"""Command line: `python -m mini_vllm generate --model PATH --prompt ... [sampling flags]`.
+
+vLLM counterpart: `vllm/entrypoints/cli/` (`vllm serve`, `vllm bench`); the
+offline `generate` subcommand is this course's own, for trying the engine
+without writing Python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mini_vllm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for one or more prompts")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    return parser
+
+
+def _generate(args) -> int:
+    from mini_vllm.llm import LLM
+    from mini_vllm.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+              block_size=args.block_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                        seed=args.seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.stream:
+        eng = llm.llm_engine
+        for i, p in enumerate(args.prompt):
+            eng.add_request(str(i), p, sp, output_kind="delta")
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                for c in out.outputs:
+                    sys.stdout.write(c.text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+        return 0
+    for out in llm.generate(args.prompt, sp, use_tqdm=False):
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            else:
+                print(f"--- prompt: {out.prompt!r} [{c.index}] ({c.finish_reason})")
+                print(out.prompt + c.text)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1

@@ -1,0 +1,104 @@
+"""Bad input: a clear error naming the field and its allowed range, and the
+engine keeps serving everyone else."""
+import json
+
+import pytest
+
+from engine_utils import assert_pool_full, make_llm, run_greedy
+from mini_vllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(block_size=8, max_model_len=128)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=5, max_tokens=3), "min_tokens"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "at least 1 token"),
+    ({"prompt_token_ids": []}, "at least 1 token"),
+    ({"prompt_token_ids": [1, 2, 6144]}, r"prompt_token_ids must lie in \[0, 6144\)"),
+    ({"prompt_token_ids": [-1]}, r"prompt_token_ids must lie in \[0, 6144\)"),
+    ({"prompt_token_ids": list(range(2, 130))}, "max_model_len"),
+])
+def test_bad_prompts_raise_value_error(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_max_tokens_beyond_max_model_len(llm):
+    with pytest.raises(ValueError, match="max_tokens must be <= max_model_len - prompt length"):
+        llm.generate({"prompt_token_ids": list(range(2, 100))}, SamplingParams(max_tokens=50),
+                     use_tqdm=False)
+
+
+def test_bad_request_in_a_batch_adds_nothing(llm):
+    good = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([good, {"prompt_token_ids": [99999]}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests(), "a rejected batch left requests behind"
+    assert_pool_full(llm)
+
+
+def test_bad_request_mid_flight_does_not_disturb_others(llm):
+    eng = llm.llm_engine
+    p = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    eng.add_request("a", {"prompt_token_ids": p}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    eng.step()
+    for bad in ({"prompt_token_ids": []}, {"prompt_token_ids": [7000]}):
+        with pytest.raises(ValueError):
+            eng.add_request("b", bad, SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", {"prompt_token_ids": p}, SamplingParams(max_tokens=3))
+    final = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            final = o if o.finished else final
+    assert final.request_id == "a"
+    assert final.outputs[0].token_ids == run_greedy(make_llm(), [p], 12)[0], \
+        "a rejected request disturbed a request in flight"
+    assert_pool_full(llm)
+
+
+def test_sampling_params_list_length_must_match(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+def test_unknown_engine_argument():
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        make_llm(block_sise=16)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(block_size=12), "block_size"),
+                                       (dict(dtype="int8"), "dtype"),
+                                       (dict(attention_backend="flash"), "attention_backend")])
+def test_bad_engine_config(kw, field):
+    with pytest.raises(ValueError, match=field):
+        make_llm(**kw)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="gpt2"):
+        LLM(str(tmp_path))
