@@ -18,9 +18,12 @@ filtered with its own parameter. Semantics (invariants the tests pin down):
 - The most likely token always survives every filter, so every row stays a
   distribution.
 
-Cost: top-k alone uses `torch.topk` with the largest k of the batch, never a
-full sort; only top-p sorts (values only: the kept set is "logit >= a
-threshold", so nothing is scattered back). min-p needs one max per row.
+Cost: no full sort in the common case. `torch.topk` takes each row's largest
+C logits (C = largest k + 1, or TOP_P_CANDIDATES for top-p alone) and both
+cuts are found inside them; only a row whose nucleus is wider than C is
+sorted. The kept set is "logit >= a threshold", so nothing is scattered back.
+The candidates also let the sampler race C tokens instead of V
+(`random_sample_candidates`). min-p needs one max per row.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ import torch
 
 # Exp(1) noise is clamped away from 0 so p / noise is never 0 / 0 (NaN).
 _MIN_NOISE = torch.finfo(torch.float32).tiny
+# Candidates taken for a top-p row without top-k: a peaked distribution's
+# nucleus fits (no sort); a flatter one falls back to sorting that row.
+TOP_P_CANDIDATES = 1024
 
 
 def _check_rows(name: str, t: torch.Tensor, logits: torch.Tensor) -> None:
@@ -37,18 +43,68 @@ def _check_rows(name: str, t: torch.Tensor, logits: torch.Tensor) -> None:
         raise ValueError(f"{name} must have shape ({logits.shape[0]},), one value per row, got {tuple(t.shape)}")
 
 
-def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """[B, 1] threshold: the k-th largest logit per row, -inf where top-k is disabled."""
-    vocab = logits.shape[1]
-    k = top_k.to(device=logits.device, dtype=torch.int64)
-    enabled = (k > 0) & (k < vocab)
-    if not bool(enabled.any()):
-        return torch.full((logits.shape[0], 1), float("-inf"), device=logits.device)
-    k = torch.where(enabled, k, 1)
-    # topk with the batch's largest k (usually << vocab) instead of a full sort.
-    values = logits.topk(int(k.max()), dim=-1).values
-    kth = values.gather(1, (k - 1).unsqueeze(1))
-    return kth.masked_fill(~enabled.unsqueeze(1), float("-inf"))
+def _prefix_cut(values: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Number of leading entries of descending `values` [B, C] that top-p keeps.
+
+    Token j is kept iff the mass before it, sum_{i<j} exp(values_i - log_norm),
+    is < top_p. One cumsum makes that mass monotone, so the kept set is a prefix
+    (which always holds entry 0). top_p == 1 keeps all: rounding could push the
+    prefix sum to 1 before the tail.
+    """
+    cum = (values - log_norm).exp().cumsum(dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+    keep = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+    keep[:, 0] = True
+    return keep.sum(dim=1)
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):
+    """(masked logits [B, V], candidates) for `apply_top_k_top_p`.
+
+    candidates is None when there is no filter, else (values [B, C] with
+    dropped entries -inf, token ids [B, C], complete [B] bool); complete[b]
+    guarantees that every token row b keeps is among its C candidates, so a
+    sampler may race those C tokens instead of all V.
+    How: C = the batch's largest k + 1, at least TOP_P_CANDIDATES when a row has
+    top-p without top-k. `torch.topk(C)` gives each row's C largest logits
+    sorted; top-k and top-p cut inside them. A row whose top-p cut reaches
+    past C (a flat distribution) falls back to a full sort of that row only.
+    """
+    batch, vocab = logits.shape
+    if top_k is None and top_p is None:
+        return logits.clone(), None
+    device = logits.device
+    k = torch.zeros(batch, dtype=torch.int64, device=device) if top_k is None else top_k.to(device, torch.int64)
+    p = torch.ones(batch, dtype=logits.dtype, device=device) if top_p is None else top_p.to(device, logits.dtype)
+    k_on, p_on = (k > 0) & (k < vocab), p < 1.0
+    if not bool((k_on | p_on).any()):
+        return logits.clone(), None
+    # +1: a row whose kept set ends before the last candidate provably has no
+    # kept token outside the candidates.
+    c = int(k[k_on].max()) + 1 if bool(k_on.any()) else 1
+    if bool((p_on & ~k_on).any()):
+        c = max(c, TOP_P_CANDIDATES)
+    c = min(c, vocab)
+    values, ids = logits.topk(c, dim=-1)
+    kth = values.gather(1, (torch.where(k_on, k, 1) - 1).unsqueeze(1))
+    kth = kth.masked_fill(~k_on.unsqueeze(1), float("-inf"))  # [B, 1]; ties with it stay
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    threshold = kth
+    if bool(p_on.any()):
+        # top-p renormalises over what top-k kept: log of that mass, one pass.
+        log_norm = masked.logsumexp(dim=-1, keepdim=True)
+        top = values.masked_fill(values < kth, float("-inf"))
+        n_keep = _prefix_cut(top, log_norm, p)
+        cut = torch.maximum(top.gather(1, (n_keep - 1).unsqueeze(1)), kth)
+        threshold = torch.where(p_on.unsqueeze(1), cut, kth)
+        unsure = torch.nonzero(p_on & (n_keep == c) & (c < vocab)).squeeze(1)
+        if unsure.numel():  # the cut may lie past the candidates: sort those rows
+            rows = masked[unsure].sort(dim=-1, descending=True).values
+            n_full = _prefix_cut(rows, log_norm[unsure], p[unsure])
+            threshold[unsure] = rows.gather(1, (n_full - 1).unsqueeze(1))
+        masked = masked.masked_fill(masked < threshold, float("-inf"))
+    complete = (values >= threshold).sum(dim=1) < c if c < vocab else torch.ones(batch, dtype=torch.bool, device=device)
+    return masked, (values.masked_fill(values < threshold, float("-inf")), ids, complete)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -57,35 +113,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     top_k [B] int (0/-1 disable) or None; top_p [B] float (1 disables) or None.
     Returns a new tensor; `logits` is not modified.
     """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     if top_k is not None:
         _check_rows("top_k", top_k, logits)
     if top_p is not None:
         _check_rows("top_p", top_p, logits)
-    if top_k is None and top_p is None:
-        return logits.clone()
-    if top_p is None:
-        return logits.masked_fill(logits < _top_k_threshold(logits, top_k), float("-inf"))
-
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    if top_k is not None:
-        vocab = logits.shape[1]
-        k = top_k.to(device=logits.device, dtype=torch.int64)
-        k = torch.where((k > 0) & (k < vocab), k, vocab)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Exclusive prefix sum: mass of the tokens sorted before each one. Built
-    # from one cumsum so it is monotone and the kept set is a prefix.
-    cum = probs.cumsum(dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-    top_p = top_p.to(device=logits.device, dtype=probs.dtype).unsqueeze(1)
-    # top_p == 1 keeps all: rounding could push the prefix sum to 1 before the tail.
-    keep = (mass_before < top_p) | (top_p >= 1.0)
-    keep[:, 0] = True
-    # The kept prefix ends at a threshold value; comparing against it keeps ties.
-    last = keep.sum(dim=1, keepdim=True) - 1
-    threshold = sorted_logits.gather(1, last)
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    return top_k_top_p_filter(logits, top_k, top_p)[0]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -124,3 +158,25 @@ def random_sample(logits: torch.Tensor, generators: dict[int, torch.Generator]) 
     noise = exponential_noise(tuple(logits.shape), generators, logits.device)
     return unnorm.div_(noise).argmax(dim=-1)
 
+
+
+def random_sample_candidates(values: torch.Tensor, ids: torch.Tensor, generators: dict[int, torch.Generator],
+                             vocab: int) -> torch.Tensor:
+    """`random_sample` restricted to candidates: values [B, C] (dropped: -inf), ids [B, C].
+
+    Valid only when every kept token is a candidate; then the other tokens have
+    p = 0 and cannot win the race. Unseeded rows draw C noises, not V. A seeded
+    row draws its full V-entry stream, exactly as `random_sample` does, and
+    reads it at its candidates' ids, so it gets the same token on either path.
+    """
+    batch, c = values.shape
+    noise = torch.empty(batch, c, dtype=torch.float32, device=values.device)
+    if len(generators) < batch:
+        noise.exponential_()
+    for i, g in generators.items():
+        full = torch.empty(vocab, dtype=torch.float32, device=values.device).exponential_(generator=g)
+        noise[i] = full[ids[i]]
+    noise.clamp_(min=_MIN_NOISE)
+    unnorm = (values - values.max(dim=-1, keepdim=True).values).exp_()
+    pick = unnorm.div_(noise).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, pick).squeeze(1)

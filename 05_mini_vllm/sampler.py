@@ -15,7 +15,8 @@ race. Invariants:
 - Logprobs describe the processed distribution (after penalties, temperature
   and filters; greedy rows: the penalised logits at temperature 1).
 Fast paths: all-greedy is a single argmax (no softmax); no filter means no
-sort; top-k alone is a `torch.topk`; no penalties means no bincount.
+sort; top-k and top-p cut inside a `torch.topk` and the race then runs over
+those candidates only; no penalties means no bincount.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops_topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+from .ops_topk_topp import apply_min_p, random_sample, random_sample_candidates, top_k_top_p_filter
 from .sampling_metadata import SamplingMetadata
 
 
@@ -116,9 +117,14 @@ class Sampler:
             processed = logits / temp.unsqueeze(1)
             if md.min_p is not None:
                 processed = apply_min_p(processed, md.min_p)
+            candidates = None
             if md.top_k is not None or md.top_p is not None:
-                processed = apply_top_k_top_p(processed, md.top_k, md.top_p)
-            sampled = random_sample(processed, md.generators)
+                processed, candidates = top_k_top_p_filter(processed, md.top_k, md.top_p)
+            if candidates is not None and bool((candidates[2] | is_greedy).all()):
+                # Every random row's kept tokens are among C candidates: race C, not V.
+                sampled = random_sample_candidates(candidates[0], candidates[1], md.generators, logits.shape[1])
+            else:
+                sampled = random_sample(processed, md.generators)
             if greedy_sampled is not None:
                 sampled = torch.where(is_greedy, greedy_sampled, sampled)
 
