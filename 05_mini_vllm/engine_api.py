@@ -6,4 +6,8 @@
 # ---- sampler filters ----
 from mini_vllm.ops_topk_topp import apply_min_p, apply_top_k_top_p
 
-__all__ = ["apply_min_p", "apply_top_k_top_p"]
+# ---- runner inputs ----
+from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
+
+__all__ = ["apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
+           "compute_slot_mapping"]

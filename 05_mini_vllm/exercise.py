@@ -6,6 +6,7 @@ Reference answers live in the modules named in each hint; read them after.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # ---- sampler filters ----
@@ -40,4 +41,43 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     )
 
 
-__all__ = ["apply_min_p", "apply_top_k_top_p"]
+# ---- runner inputs ----
+# Counterpart of mini_vllm/prepare_inputs.py (vLLM: GPUModelRunner._prepare_inputs in
+# vllm/v1/worker/gpu_model_runner.py). All three are vectorised numpy over the batch:
+# the tests give batches of up to thousands of tokens and check every element.
+
+
+def compute_query_start_loc(num_scheduled_tokens: np.ndarray) -> np.ndarray:
+    """[num_reqs + 1] int32: where each request's query rows start in the flat batch."""
+    raise NotImplementedError(
+        "compute_query_start_loc: given Δ = num_scheduled_tokens [num_reqs] (ints >= 1), return an int32 "
+        "array [num_reqs + 1] equal to [0, Δ0, Δ0+Δ1, ...]: request i owns rows out[i]:out[i+1]. "
+        "An empty batch gives [0]. Hint: np.cumsum into out[1:]."
+    )
+
+
+def compute_positions(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray) -> np.ndarray:
+    """[T] int64: the absolute token position of every scheduled token."""
+    raise NotImplementedError(
+        "compute_positions: request i has c_i = num_computed_tokens[i] tokens in the KV cache already and "
+        "Δ_i = num_scheduled_tokens[i] scheduled now; its rows hold positions c_i, c_i+1, ..., c_i+Δ_i-1, "
+        "requests one after another (T = sum Δ). A decode is Δ=1 at position c_i; a prefix hit or a later "
+        "chunk starts at c_i > 0, never at 0. Return int64. No Python loop over tokens: np.repeat the "
+        "request index Δ_i times, then subtract each request's first row from np.arange(T)."
+    )
+
+
+def compute_slot_mapping(block_table: np.ndarray, req_indices: np.ndarray, positions: np.ndarray,
+                         block_size: int) -> np.ndarray:
+    """[T] int64: the KV cache slot of every scheduled token."""
+    raise NotImplementedError(
+        "compute_slot_mapping: token t belongs to request req_indices[t] (a row of block_table "
+        "[num_reqs, max_blocks], int32, padded with -1) and sits at positions[t]; its slot is "
+        "block_table[r, p // block_size] * block_size + p % block_size (Chapter 1's slot mapping, "
+        "for a whole batch at once). Return int64 (slots overflow int32 on big caches). One fancy-index, "
+        "no loop."
+    )
+
+
+__all__ = ["apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
+           "compute_slot_mapping"]
