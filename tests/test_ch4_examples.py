@@ -129,3 +129,28 @@ def test_greedy_accepts_while_draft_is_the_argmax(chapter):
         assert got == [0, 1, 0], f"{name}: want accepted [0, 1] then the target argmax 0, got {got}"
     for name, got in every_sampler(sd, [0, 1], None, [P, rev], 2, True, [0.9, 0.9], [1.0, 1.0, 1.0]).items():
         assert got == [0, 1, 2], f"{name}: greedy drafts equal to the argmax are all accepted, plus bonus 2; got {got}"
+
+
+def test_greedy_request_beside_a_random_one(chapter):
+    """The greedy case above, batched with a random request (batched samplers take another
+    path when not every request is greedy): the greedy row must still be [0, 1, 0]."""
+    sd = chapter("spec_decode")
+    rev = [0.2, 0.5, 0.3]
+    f = lambda rows: torch.tensor(rows, dtype=torch.float32)  # noqa: E731
+    args = (torch.tensor([0, 1, 1, 0]), torch.tensor([3, 1]), f([Q, Q, Q, P]), f([P, rev, P, P]),
+            torch.tensor([2, 2]), torch.tensor([True, False]), f([0.0, 0.0, 0.0, 0.5]), f([[1.0, 0.01, 1.0]] * 2))
+    for name in ("rejection_sample_reference", "rejection_sample"):
+        out = getattr(sd, name)(*args)
+        assert out[0].tolist() != [0, 1, 1, 2], f"{name}: greedy request verified with the random rule (u = 0 accepts all)"
+        assert out[0].tolist() == [0, 1, 0, PH], f"{name}: greedy row must be [0, 1, 0, -1], got {out[0].tolist()}"
+        assert out[1].tolist() == [0, 2, PH, PH], f"{name}: random row (q == p accepts) must be [0, 2], got {out[1].tolist()}"
+
+
+def test_verify_step_rolls_back_rejected_drafts(chapter):
+    """10 tokens cached, 1 pending, 3 drafts of which 1 accepted (2 rejected): the step computed
+    1 + 3 KV entries, but the 2 rejected drafts' entries are invalid -> 10 + 4 - 2 = 12 cached;
+    tokens: 11 + the accepted draft + the recovered token = 13 (seed 001 Table 4.1)."""
+    sd = chapter("spec_decode")
+    got = sd.apply_verify_step(10, 11, 3, 1)
+    assert got[0] != 14, "num_computed_tokens kept the rejected drafts' KV: subtract L_rejected (no rollback)"
+    assert got == (12, 13), f"(num_computed_tokens, num_tokens) must be (12, 13), got {got}"
