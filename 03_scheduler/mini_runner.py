@@ -18,6 +18,7 @@ import torch
 from mini_vllm.paged_attention import allocate_kv_cache, reshape_and_cache
 
 from .output import ModelRunnerOutput
+from .swap import copy_blocks
 
 
 def kv_value(token: int, pos: int) -> float:
@@ -43,13 +44,9 @@ class MiniRunner:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
         if self.cache is not None:
-            for src_cache, dst_cache, pairs in (
-                    (self.cache, self.cpu_cache, out.blocks_to_swap_out),
-                    (self.cpu_cache, self.cache, out.blocks_to_swap_in),
-                    (self.cache, self.cache, out.blocks_to_copy)):
-                for s, d in pairs:
-                    for kc in (0, 1):
-                        dst_cache[kc][d] = src_cache[kc][s]
+            copy_blocks([self.cache], [self.cpu_cache], out.blocks_to_swap_out)
+            copy_blocks([self.cpu_cache], [self.cache], out.blocks_to_swap_in)
+            copy_blocks([self.cache], [self.cache], out.blocks_to_copy)
         for nr in out.scheduled_new_reqs:
             self.tables[nr.req_id] = list(nr.block_ids)
         for cr in out.scheduled_cached_reqs:

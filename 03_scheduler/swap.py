@@ -7,6 +7,8 @@ Invariant: every id is either free or owned by exactly one swapped request.
 """
 from __future__ import annotations
 
+import torch
+
 
 class CpuBlockPool:
     def __init__(self, num_blocks: int) -> None:
@@ -33,3 +35,22 @@ class CpuBlockPool:
             if not 0 <= b < self.num_blocks or b in self._free:
                 raise ValueError(f"CPU block {b} is not allocated (double free?)")
             self._free.append(b)
+
+
+def copy_blocks(src_layers, dst_layers, pairs) -> None:
+    """Execute (src_block, dst_block) moves for every layer's (key, value) cache.
+
+    Used for swap-out (device -> host), swap-in (host -> device) and
+    copy-on-write (device -> device); by the model-free `MiniRunner` and by the
+    engine's cache engine alike. One batched gather + scatter per tensor: all
+    sources are read before any destination is written, so a list may read a
+    block that it also writes.
+    """
+    if not pairs:
+        return
+    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for src, dst in zip(src_layers, dst_layers):
+        for s_t, d_t in zip(src, dst):
+            moved = s_t.index_select(0, src_ids.to(s_t.device)).to(d_t.device, non_blocking=True)
+            d_t.index_copy_(0, dst_ids.to(d_t.device), moved)

@@ -10,13 +10,15 @@ Layout: per layer a (key_cache, value_cache) pair, each
 shared by all layers: block b of request r is block b in every layer.
 
 Invariant: the moves of one step run in the order swap-out, swap-in, copy
-(Chapter 3's protocol), and each is a single batched index copy per layer.
+(Chapter 3's protocol), through the same `copy_blocks` that Chapter 3's
+model-free `MiniRunner` uses: one batched index copy per tensor.
 """
 from __future__ import annotations
 
 import torch
 
 from mini_vllm.paged_attention import allocate_kv_cache
+from mini_vllm.scheduler.swap import copy_blocks
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
 
@@ -51,29 +53,16 @@ class CacheEngine:
                     k, v = k.pin_memory(), v.pin_memory()
                 self.cpu_cache.append((k, v))
 
-    @staticmethod
-    def _move(src_layers, dst_layers, pairs, dst_device) -> None:
-        if not pairs:
-            return
-        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        src_dev = src_layers[0][0].device
-        s_idx, d_idx = src_ids.to(src_dev), dst_ids.to(dst_device)
-        for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
-            # Gather first: a copy list may read a block that it also writes.
-            dk.index_copy_(0, d_idx, sk.index_select(0, s_idx).to(dst_device, non_blocking=True))
-            dv.index_copy_(0, d_idx, sv.index_select(0, s_idx).to(dst_device, non_blocking=True))
-
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu_block, cpu_block) pairs: device -> host."""
         if pairs and not self.cpu_cache:
             raise RuntimeError("swap-out requested but the engine has no CPU swap space")
-        self._move(self.gpu_cache, self.cpu_cache, pairs, torch.device("cpu"))
+        copy_blocks(self.gpu_cache, self.cpu_cache, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu_block, gpu_block) pairs: host -> device."""
-        self._move(self.cpu_cache, self.gpu_cache, pairs, self.device)
+        copy_blocks(self.cpu_cache, self.gpu_cache, pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) pairs on the device: copy-on-write of shared blocks."""
-        self._move(self.gpu_cache, self.gpu_cache, pairs, self.device)
+        copy_blocks(self.gpu_cache, self.gpu_cache, pairs)

@@ -11,11 +11,14 @@ back in the pool before the next `schedule()`.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from mini_vllm.executor import UniProcExecutor
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
+
+logger = logging.getLogger("mini_vllm")
 
 
 @dataclass
@@ -49,6 +52,9 @@ class EngineCore:
         n_gpu, n_cpu = self.executor.determine_num_blocks(budget_probe.max_num_batched_tokens)
         self.num_gpu_blocks, self.num_cpu_blocks = n_gpu, n_cpu
         self.executor.initialize_cache(n_gpu, n_cpu, config.max_num_seqs)
+        bpb = self.executor.worker.bytes_per_block
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap space: %d blocks", n_gpu,
+                    config.block_size, n_gpu * bpb / 2**20, n_cpu)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len, n_cpu), n_gpu,
                                    config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self._seen: set[str] = set()

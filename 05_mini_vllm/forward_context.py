@@ -35,6 +35,16 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    def validate(self, num_blocks: int, block_size: int) -> None:
+        """Chapter 1's argument checks, once per step (not once per layer)."""
+        from mini_vllm.kernels.paged_checks import check_cu_seqlens_q, check_table_entries
+
+        check_cu_seqlens_q(self.cu_seqlens_q, self.seq_lens, self.num_tokens, self.seq_lens.device)
+        check_table_entries(self.block_tables, self.seq_lens, block_size, num_blocks)
+        sm = self.slot_mapping
+        if sm.numel() and (int(sm.min()) < -1 or int(sm.max()) >= num_blocks * block_size):
+            raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_blocks * block_size})")
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -141,6 +141,7 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [])
         input_ids, positions, md, req_ids, logit_rows, sample_req = self._prepare_inputs(so)
+        md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
