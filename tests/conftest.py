@@ -75,6 +75,12 @@ def pytest_configure(config):
         settings.load_profile("exercise")
 
 
+def pytest_collection_modifyitems(config, items):
+    # Hand-built example tests first (stable sort): with -x, the first failure
+    # is then a small case whose message names the mistake.
+    items.sort(key=lambda item: 0 if item.path.name.endswith("_examples.py") else 1)
+
+
 def pytest_report_header(config):
     return f"mini-vllm implementation under test: {config.getoption('--impl')}"
 
