@@ -152,5 +152,8 @@ def test_config_styles_and_defaults(tmp_path):
         ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="'vocab_size' is missing"):
         ModelConfig.from_dict({k: v for k, v in base.items() if k != "vocab_size"})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        ModelConfig.from_json(tmp_path / "config.json")
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(model_path("tiny-py-draft"), dtype=torch.float64)

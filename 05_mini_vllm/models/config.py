@@ -58,8 +58,12 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config.json not found at {path}")
-        with open(path) as f:
-            raw = json.load(f)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod

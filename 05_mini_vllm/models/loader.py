@@ -55,8 +55,10 @@ def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: the index's shards, else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: must be JSON with a 'weight_map' object ({e!r})") from None
         files = [path / n for n in names]
         for f in files:
             if not f.is_file():
