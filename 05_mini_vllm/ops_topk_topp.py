@@ -20,8 +20,8 @@ filtered with its own parameter. Semantics (invariants the tests pin down):
 
 Cost: no full sort in the common case. `torch.topk` takes each row's largest
 C logits (C = largest k + 1, or TOP_P_CANDIDATES for top-p alone) and both
-cuts are found inside them; only a row whose nucleus is wider than C is
-sorted. The kept set is "logit >= a threshold", so nothing is scattered back.
+cuts are found inside them; only a row whose nucleus is wider than C takes
+more (8x per retry, a full sort at worst). The kept set is "logit >= a threshold", so nothing is scattered back.
 The candidates also let the sampler race C tokens instead of V
 (`random_sample_candidates`). min-p needs one max per row.
 """
@@ -32,7 +32,7 @@ import torch
 # Exp(1) noise is clamped away from 0 so p / noise is never 0 / 0 (NaN).
 _MIN_NOISE = torch.finfo(torch.float32).tiny
 # Candidates taken for a top-p row without top-k: a peaked distribution's
-# nucleus fits (no sort); a flatter one falls back to sorting that row.
+# nucleus fits; a flatter one retries that row with 8x more.
 TOP_P_CANDIDATES = 1024
 
 
@@ -68,7 +68,8 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     How: C = the batch's largest k + 1, at least TOP_P_CANDIDATES when a row has
     top-p without top-k. `torch.topk(C)` gives each row's C largest logits
     sorted; top-k and top-p cut inside them. A row whose top-p cut reaches
-    past C (a flat distribution) falls back to a full sort of that row only.
+    past C (a flat distribution) retries alone with 8x more, up to a full sort;
+    its `complete` is then False (the sampler races all V tokens).
     """
     batch, vocab = logits.shape
     if top_k is None and top_p is None:
@@ -98,10 +99,13 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         cut = torch.maximum(top.gather(1, (n_keep - 1).unsqueeze(1)), kth)
         threshold = torch.where(p_on.unsqueeze(1), cut, kth)
         unsure = torch.nonzero(p_on & (n_keep == c) & (c < vocab)).squeeze(1)
-        if unsure.numel():  # the cut may lie past the candidates: sort those rows
-            rows = masked[unsure].sort(dim=-1, descending=True).values
-            n_full = _prefix_cut(rows, log_norm[unsure], p[unsure])
-            threshold[unsure] = rows.gather(1, (n_full - 1).unsqueeze(1))
+        wider = c
+        while unsure.numel():  # the cut may lie past the candidates: 8x more for those rows
+            wider = min(wider * 8, vocab)
+            rows = masked[unsure].topk(wider, dim=-1).values
+            n_rows = _prefix_cut(rows, log_norm[unsure], p[unsure])
+            threshold[unsure] = rows.gather(1, (n_rows - 1).unsqueeze(1))
+            unsure = unsure[(n_rows == wider) & (wider < vocab)]
         masked = masked.masked_fill(masked < threshold, float("-inf"))
     complete = (values >= threshold).sum(dim=1) < c if c < vocab else torch.ones(batch, dtype=torch.bool, device=device)
     return masked, (values.masked_fill(values < threshold, float("-inf")), ids, complete)
