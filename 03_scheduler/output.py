@@ -93,6 +93,8 @@ class ModelRunnerOutput:
     # req_id -> one (token_ids, logprobs, sampled_rank) triple per sampled
     # token, for requests that asked for logprobs (the engine's runner fills it).
     logprobs: dict | None = None
+    # req_id -> draft tokens proposed for the next step (speculative decoding).
+    spec_token_ids: dict | None = None
 
     @classmethod
     def from_dict(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":

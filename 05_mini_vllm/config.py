@@ -54,10 +54,14 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     log_stats: bool = False
+    speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
     stats_log_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
+        from mini_vllm.speculative import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):

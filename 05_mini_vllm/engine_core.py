@@ -79,6 +79,8 @@ class EngineCore:
         mro = self.executor.execute_model(so)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, mro)
+        if mro.spec_token_ids:
+            self._set_drafts(mro.spec_token_ids)
         t3 = time.perf_counter()
         lps = mro.logprobs or {}
         for o in outputs:
@@ -95,6 +97,26 @@ class EngineCore:
             for r, n in so.num_scheduled_tokens.items() if r in runner.requests)
         res.timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2}
         return res
+
+    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Hand the runner's proposals to the scheduler (vLLM does this in
+        `update_from_output`); drafts past the last token a request may still
+        emit are dropped, they could never be used."""
+        for rid, d in drafts.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                room = req.max_tokens - req.num_output_tokens - 1
+                req.spec_token_ids = list(d[:max(0, room)])
+
+    def spec_decoding_stats(self) -> dict | None:
+        """Acceptance rate and per-position acceptance of verified drafts."""
+        if self.config.speculative is None:
+            return None
+        v = self.executor.worker.model_runner.spec_verifier
+        return {"num_drafts": v.num_drafts, "num_accepted": v.num_accepted,
+                "acceptance_rate": v.num_accepted / v.num_drafts if v.num_drafts else 0.0,
+                "acceptance_per_position": [a / d for a, d in zip(v.accepted_per_position,
+                                                                  v.drafts_per_position)]}
 
     def make_stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -27,6 +27,7 @@ from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc,
 from mini_vllm.sampler import Sampler
 from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.scheduler import ModelRunnerOutput
+from mini_vllm.spec_verify import SpecVerifier, spec_eligible
 
 
 class ModelRunner:
@@ -45,6 +46,8 @@ class ModelRunner:
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
         self.last_step_timings: dict[str, float] = {}
+        self.spec_verifier = SpecVerifier(self.device)
+        self.drafter = None  # set by the worker when speculative decoding is on
 
     # ---------------------------------------------------------- 1. states
     def _update_states(self, so) -> None:
@@ -52,8 +55,12 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             batch.remove_request(rid)
+            if self.drafter is not None:
+                self.drafter.free(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)  # keep the state: a swapped request comes back
+            if self.drafter is not None:
+                self.drafter.free(rid)
         for nr in so.scheduled_new_reqs:
             old = self.requests.get(nr.req_id)
             gen = old.generator if old is not None else self._make_generator(nr.sampling_params)
@@ -147,26 +154,49 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
         logprobs: dict[str, list] = {}
         if sample_req:
-            if any(so.scheduled_spec_decode_tokens.get(req_ids[i]) for i in sample_req):
-                raise NotImplementedError("speculative decoding inside the engine is not built yet")
             idx = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            states = [self.requests[req_ids[i]] for i in sample_req]
-            md_s = SamplingMetadata.from_params(
-                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-                [s.output_token_ids for s in states], [s.generator for s in states],
-                [s.eos_token_id for s in states], self.vocab_size, logits.device)
-            out = self.sampler(logits, md_s)
-            toks = out.sampled_token_ids.tolist()
-            lp = out.logprobs_tensors
-            if lp is not None:
-                ids_l, lps_l, ranks_l = (lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
-                                         lp.selected_token_ranks.tolist())
-            for j, (i, st) in enumerate(zip(sample_req, states)):
-                sampled[req_ids[i]] = [int(toks[j])]
-                n_lp = getattr(st.sampling_params, "logprobs", None)
-                if lp is not None and n_lp is not None:
-                    logprobs[req_ids[i]] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+            plain, plain_rows, spec, spec_rows, row = [], [], [], [], 0
+            for i in sample_req:  # each sampling request owns k + 1 consecutive logits rows
+                k = len(so.scheduled_spec_decode_tokens.get(req_ids[i], ()))
+                (spec if k else plain).append(i)
+                (spec_rows.extend(range(row, row + k + 1)) if k else plain_rows.append(row))
+                row += k + 1
+            if plain:
+                self._sample(logits[plain_rows] if spec else logits, [req_ids[i] for i in plain],
+                             sampled, logprobs)
+            if spec:
+                rids = [req_ids[i] for i in spec]
+                emitted = self.spec_verifier.verify(
+                    logits[spec_rows], [so.scheduled_spec_decode_tokens[r] for r in rids],
+                    [self.requests[r].sampling_params for r in rids])
+                sampled.update(zip(rids, emitted))
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
+        if self.drafter is not None:
+            mro.spec_token_ids = self._propose_drafts(sampled)
         return mro
+
+    def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
+        states = [self.requests[r] for r in rids]
+        md_s = SamplingMetadata.from_params(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], [s.generator for s in states],
+            [s.eos_token_id for s in states], self.vocab_size, logits.device)
+        out = self.sampler(logits, md_s)
+        toks = out.sampled_token_ids.tolist()
+        lp = out.logprobs_tensors
+        if lp is not None:
+            ids_l, lps_l, ranks_l = (lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+                                     lp.selected_token_ranks.tolist())
+        for j, (rid, st) in enumerate(zip(rids, states)):
+            sampled[rid] = [int(toks[j])]
+            n_lp = getattr(st.sampling_params, "logprobs", None)
+            if lp is not None and n_lp is not None:
+                logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+
+    def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step, from the tokens known after this one."""
+        reqs = {rid: self.requests[rid].token_ids + toks for rid, toks in sampled.items()
+                if toks and spec_eligible(self.requests[rid].sampling_params)}
+        return {r: d for r, d in self.drafter.propose(reqs).items() if d} if reqs else {}

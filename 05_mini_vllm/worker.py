@@ -98,6 +98,22 @@ class Worker:
                                         cfg.torch_dtype, self.device)
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device)
+        if cfg.speculative is not None:
+            self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)
+
+    def _make_drafter(self, spec, num_blocks: int):
+        from mini_vllm.drafter import DraftModelDrafter, NgramDrafter
+
+        if spec.method == "ngram":
+            return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                spec.prompt_lookup_max)
+        draft, dcfg = load_model(spec.model, dtype=self.config.torch_dtype, device=self.device)
+        if dcfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocab_size ({dcfg.vocab_size}) must "
+                             f"equal the target's ({self.model_config.vocab_size})")
+        set_attention_backend(draft, self.attention_backend)
+        return DraftModelDrafter(draft, dcfg, spec.num_speculative_tokens, num_blocks,
+                                 self.config.block_size, self.config.torch_dtype, self.device)
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
