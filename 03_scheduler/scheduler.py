@@ -32,7 +32,7 @@ def cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_gpu_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, connector=None) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
         self.config = config
@@ -50,6 +50,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        # Chapter 6: an optional KV connector (scheduler side), called duck-typed;
+        # Chapter 3 never imports Chapter 6.
+        self.connector = connector
 
     # ------------------------------------------------------------------ API
     def add_request(self, request: Request) -> None:
@@ -117,7 +120,10 @@ class Scheduler:
                         cands, deltas = [], []
                 else:
                     break
-        return st.finish()
+        so = st.finish()
+        if self.connector is not None:  # loads and saves for the worker-side connector
+            so.kv_connector_metadata = self.connector.build_connector_meta(so)
+        return so
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output) -> list[EngineCoreOutput]:
@@ -242,6 +248,8 @@ class Scheduler:
             self.staging.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req.request_id))
         self.kv_cache_manager.free(req)
         if req.swapped_cpu_block_ids:
             self.cpu_block_pool.free(req.swapped_cpu_block_ids)

@@ -171,20 +171,26 @@ class StepState:
         if len(s.running) >= cfg.max_num_seqs or self.budget <= 0:
             return False
         swapped = bool(req.swapped_cpu_block_ids)
+        n_ext = 0  # Chapter 6: tokens a KV connector loads beyond the local prefix hit
         if swapped:
             hit_blocks, n_hit, computed = [], 0, req.num_computed_tokens
         else:
             hit_blocks, n_hit = self._hits(req)
-            computed = n_hit
+            if getattr(s, "connector", None) is not None:
+                n_ext = s.connector.get_num_new_matched_tokens(req, n_hit)[0]
+            computed = n_hit + n_ext
         d = self.delta(req, computed, req.num_tokens)
         if d <= 0 or (d < req.num_tokens - computed and not cfg.enable_chunked_prefill):
             return False
-        if self.kv.allocate_slots(req, d, n_hit, hit_blocks) is None:
+        # External tokens need slots like new ones (the connector fills them before the forward).
+        if self.kv.allocate_slots(req, n_ext + d, n_hit, hit_blocks) is None:
             return False
-        self._commit_admission(req, d, n_hit, swapped)
+        if not swapped and getattr(s, "connector", None) is not None:
+            s.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), n_ext)
+        self._commit_admission(req, d, n_hit, swapped, n_ext)
         return True
 
-    def _commit_admission(self, req, d: int, n_hit: int, swapped: bool) -> None:
+    def _commit_admission(self, req, d: int, n_hit: int, swapped: bool, n_ext: int = 0) -> None:
         """Move an admitted request (its blocks are allocated) from waiting or
         staging to running: charge the budget, set its prefix hits as computed
         (or plan its swap-in) and record what the runner must be told."""
@@ -206,7 +212,7 @@ class StepState:
             req.swapped_cpu_block_ids = []
             self.cached[rid] = (True, block_ids)
         else:
-            req.num_computed_tokens = n_hit  # Table 4.1, prefix caching row
+            req.num_computed_tokens = n_hit + n_ext  # Table 4.1, prefix caching row
             self._record_hits(req, n_hit)
             self.new_reqs.append((req, block_ids))
 

@@ -56,6 +56,9 @@ class EngineConfig:
     log_stats: bool = False
     speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
     stats_log_interval_s: float = 5.0
+    # Chapter 6: vLLM's KVTransferConfig shape ({"kv_connector", "kv_role",
+    # "kv_connector_extra_config"}); None = no KV connector.
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)

@@ -55,8 +55,14 @@ class EngineCore:
         bpb = self.executor.worker.bytes_per_block
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap space: %d blocks", n_gpu,
                     config.block_size, n_gpu * bpb / 2**20, n_cpu)
+        self.kv_connector = self.kv_connector_worker = None
+        if getattr(config, "kv_transfer_config", None) is not None:
+            # Chapter 6, imported only when asked for: scheduler- and worker-side connectors.
+            from mini_vllm.global_cache.factory import build_connectors
+            self.kv_connector, self.kv_connector_worker = build_connectors(config, self.executor.worker)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len, n_cpu), n_gpu,
-                                   config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                                   config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                   connector=self.kv_connector)
         self._seen: set[str] = set()
 
     def add_request(self, request: Request) -> None:

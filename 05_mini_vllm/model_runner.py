@@ -46,6 +46,9 @@ class ModelRunner:
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
         self.last_step_timings: dict[str, float] = {}
+        # Chapter 6: the worker-side KV connector, set by the engine when
+        # kv_transfer_config is given (duck-typed, never imported here).
+        self.kv_connector = None
         self.spec_verifier = SpecVerifier(self.device)
         self.drafter = None  # set by the worker when speculative decoding is on
 
@@ -149,8 +152,15 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [])
         input_ids, positions, md, req_ids, logit_rows, sample_req = self._prepare_inputs(so)
         md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
+        kvc = self.kv_connector
+        if kvc is not None:  # external KV lands in its blocks before any layer reads them
+            kvc.bind_connector_metadata(getattr(so, "kv_connector_metadata", None))
+            kvc.start_load_kv(md)
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
+        if kvc is not None:  # queue this step's full blocks; bounded, never waits on the store
+            kvc.wait_for_save()
+            kvc.clear_connector_metadata()
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
         logprobs: dict[str, list] = {}
         if sample_req:

@@ -1,1 +1,23 @@
-"""Chapter 6: a global prefix cache shared across processes and nodes."""
+"""Chapter 6: a global prefix cache shared across processes and nodes.
+
+A KV connector (vLLM's `KVConnectorBase_V1` interface) lets an engine load
+KV blocks that another engine computed, from a store shared by all of them:
+an in-process LRU pool, a Valkey/Redis server, or (optionally) Mooncake Store.
+"""
+from .base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from .config import KV_ROLES, KVTransferConfig
+from .connector import GlobalCacheConnector, GlobalCacheMetadata
+from .factory import KVConnectorFactory, build_connectors, layout_for, make_store
+from .keys import KVLayout, block_key, model_content_id
+from .local_pool import LocalLRUPool, drop_local_pool, get_local_pool
+from .serde import CorruptBlockError, pack_block, unpack_block
+from .stats import ConnectorStats
+from .store import KVStore, StoreUnavailable
+
+__all__ = [
+    "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KV_ROLES", "KVTransferConfig",
+    "GlobalCacheConnector", "GlobalCacheMetadata", "KVConnectorFactory", "build_connectors",
+    "layout_for", "make_store", "KVLayout", "block_key", "model_content_id", "LocalLRUPool",
+    "drop_local_pool", "get_local_pool", "CorruptBlockError", "pack_block", "unpack_block",
+    "ConnectorStats", "KVStore", "StoreUnavailable",
+]

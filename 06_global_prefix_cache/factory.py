@@ -1,0 +1,63 @@
+"""Build connectors and stores from `kv_transfer_config`.
+
+vLLM counterpart: `vllm/distributed/kv_transfer/kv_connector/factory.py`
+(`KVConnectorFactory.create_connector(config, role)`) and the worker-side
+`ensure_kv_transfer_initialized` in `kv_transfer_state.py`.
+
+The engine imports this module only when `kv_transfer_config` is set, so
+Chapters 1-5 never depend on Chapter 6. `build_connectors` returns the two
+instances an engine needs (scheduler role, worker role); they share one store
+client, as the two processes of a vLLM deployment would share one server.
+"""
+from __future__ import annotations
+
+from .base import KVConnectorRole
+from .config import KVTransferConfig
+from .connector import GlobalCacheConnector
+from .keys import KVLayout, model_content_id
+from .stats import ConnectorStats
+from .store import KVStore
+
+
+def make_store(tc: KVTransferConfig) -> KVStore:
+    ex = tc.extra
+    if ex["backend"] == "local":
+        from .local_pool import get_local_pool
+        return get_local_pool(ex["pool_name"], int(ex["capacity_bytes"]))
+    if ex["backend"] == "valkey":
+        from .valkey_store import ValkeyStore
+        return ValkeyStore(ex["url"], ex["timeout_s"], ex["retry_interval_s"])
+    from .mooncake_store import MooncakeStore
+    return MooncakeStore(ex["url"], ex["timeout_s"])
+
+
+def layout_for(config, model_config, tp_rank: int = 0, model_id: str | None = None) -> KVLayout:
+    mc = model_config
+    return KVLayout(model_id=model_id or model_content_id(config.model),
+                    dtype=str(config.torch_dtype).removeprefix("torch."),
+                    block_size=config.block_size, num_layers=mc.num_hidden_layers,
+                    num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, tp_rank=tp_rank)
+
+
+class KVConnectorFactory:
+    @staticmethod
+    def create_connector(kv_transfer_config, role: KVConnectorRole, layout: KVLayout,
+                         store: KVStore | None = None, stats=None) -> GlobalCacheConnector:
+        tc = KVTransferConfig.from_dict(kv_transfer_config)
+        return GlobalCacheConnector(tc, role, layout, store if store is not None else make_store(tc),
+                                    stats)
+
+
+def build_connectors(config, worker) -> tuple[GlobalCacheConnector, GlobalCacheConnector]:
+    """(scheduler-side, worker-side) connectors for an engine whose worker
+    already allocated its KV cache; the worker side is bound to the runner."""
+    tc = KVTransferConfig.from_dict(config.kv_transfer_config)
+    layout = layout_for(config, worker.model_config, tc.extra["tp_rank"], tc.extra["model_id"])
+    store = make_store(tc)
+    stats = ConnectorStats()  # one set of counters for the engine's two instances
+    sched = KVConnectorFactory.create_connector(tc, KVConnectorRole.SCHEDULER, layout, store, stats)
+    work = KVConnectorFactory.create_connector(tc, KVConnectorRole.WORKER, layout, store, stats)
+    runner = worker.model_runner
+    work.register_kv_caches(runner.cache_engine.gpu_cache)
+    runner.kv_connector = work
+    return sched, work
