@@ -1,4 +1,5 @@
-"""Command line: `python -m mini_vllm generate --model PATH --prompt ... [sampling flags]`.
+"""Command line: `python -m mini_vllm generate --model PATH --prompt ... [sampling flags]`
+and `python -m mini_vllm serve MODEL_PATH [--port 8000] [engine flags]` (the OpenAI API).
 
 vLLM counterpart: `vllm/entrypoints/cli/` (`vllm serve`, `vllm bench`); the
 offline `generate` subcommand is this course's own, for trying the engine
@@ -11,8 +12,9 @@ import json
 import sys
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
+def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    if model_flag:  # `serve` takes the model as a positional argument, as `vllm serve` does
+        p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
@@ -47,19 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    from mini_vllm.entrypoints.cli_args import add_serve_args
+
+    srv = sub.add_parser("serve", help="serve the model with an OpenAI-compatible HTTP API")
+    add_serve_args(srv)
+    _add_engine_args(srv, model_flag=False)
     return parser
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+                block_size=args.block_size, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _generate(args) -> int:
     from mini_vllm.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-              block_size=args.block_size, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = LLM(args.model, **_engine_kwargs(args))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                         seed=args.seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -91,6 +102,10 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from mini_vllm.entrypoints.api_server import run_server
+
+            return run_server(args, _engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

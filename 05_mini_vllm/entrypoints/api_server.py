@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP server: `python -m mini_vllm serve MODEL_PATH`.
+
+vLLM counterpart: `vllm/entrypoints/openai/api_server.py` (`build_app`,
+`run_server`, the API-key middleware, the validation-error handler) and
+`vllm/entrypoints/serve/` (`/tokenize`, `/detokenize`).
+
+Routes: GET /health, /version, /metrics, /v1/models; POST /v1/completions,
+/v1/chat/completions, /tokenize, /detokenize.
+
+Invariants:
+- Every 4xx body is OpenAI's error shape; a request that fails validation
+  never reaches the engine, and one that the engine rejects leaves it
+  untouched, so in-flight requests never notice a bad one.
+- With `--api-key`, every /v1 route needs `Authorization: Bearer KEY` (401
+  otherwise); /health, /version and /metrics stay open, as in vLLM.
+- SIGINT/SIGTERM: uvicorn stops accepting, waits up to
+  `--timeout-graceful-shutdown` seconds for in-flight responses, then the
+  engine aborts what is left and the process exits with code 0.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+import mini_vllm
+from mini_vllm.async_llm import AsyncLLM, EngineDeadError
+from mini_vllm.entrypoints.metrics import PrometheusStatLogger
+from mini_vllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                            TokenizeRequest)
+from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
+from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
+from mini_vllm.entrypoints.serving_engine import OpenAIServingModels, error_response, value_error_response
+
+logger = logging.getLogger("mini_vllm")
+_OPEN_PATHS = ("/health", "/version", "/metrics")
+
+
+def _validation_param(err: dict) -> str | None:
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    return ".".join(loc) or None
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
+              stat_logger: PrometheusStatLogger, api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    models = OpenAIServingModels(served_model_names, model_path, engine.max_model_len)
+    completions = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()  # after uvicorn drained the connections: abort what is left
+
+    app = FastAPI(title="mini-vLLM OpenAI-compatible server", version=mini_vllm.__version__,
+                  lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # loc is a character position, not a field
+            return error_response(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                                  400, None)
+        param = _validation_param(first)
+        msg = "; ".join(f"{_validation_param(e) or 'body'}: {e.get('msg')}" for e in errs[:5])
+        return error_response(msg or "invalid request", 400, param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(str(exc), 503)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response("Unauthorized: a missing or wrong API key", 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": mini_vllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(stat_logger.render(), media_type=stat_logger.content_type)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return models.list().model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest):
+        return await completions.create_completion(req)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest):
+        return await chat.create_chat_completion(req)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if (err := models.check(req.model)) is not None:
+            return err
+        tok = engine.get_tokenizer()
+        if tok is None:
+            return error_response("this model has no tokenizer", 400, None)
+        if (req.prompt is None) == (req.messages is None):
+            return error_response("give exactly one of prompt and messages", 400, "prompt")
+        try:
+            if req.messages is not None:
+                ids = chat.render(req.messages, req.add_generation_prompt)
+            else:
+                ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        except ValueError as e:
+            return value_error_response(e)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if (err := models.check(req.model)) is not None:
+            return err
+        tok = engine.get_tokenizer()
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if tok is None or bad:
+            return error_response(f"tokens must lie in [0, {vocab}), got {bad[:5]}" if bad
+                                  else "this model has no tokenizer", 400, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    return app
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """A file path or the template itself (vLLM's --chat-template)."""
+    if value is None:
+        return None
+    p = Path(value)
+    return p.read_text() if len(value) < 4096 and p.is_file() else value
+
+
+def run_server(args, engine_kwargs: dict) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    names = args.served_model_name or [args.model]
+    stat_logger = PrometheusStatLogger(names[0])
+    api_key = args.api_key or os.environ.get("MINI_VLLM_API_KEY")
+    engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], **engine_kwargs)
+    app = build_app(engine, names, args.model, stat_logger, api_key,
+                    _read_chat_template(args.chat_template))
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises the signal after a graceful shutdown, which would make the
+        # exit status 128 + signum; a drained server has done its job and exits 0.
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                            access_log=args.access_log)
+    logger.info("serving %s as %s on http://%s:%d", args.model, names, args.host, args.port)
+    _Server(config).run()
+    engine.shutdown()
+    return 0

@@ -1,0 +1,21 @@
+"""Flags of `python -m mini_vllm serve` (vLLM: `vllm/entrypoints/openai/cli_args.py`).
+
+Kept apart from `api_server` so that building the CLI parser never imports
+FastAPI or uvicorn; the engine flags come from `mini_vllm.cli`.
+"""
+from __future__ import annotations
+
+
+def add_serve_args(p) -> None:
+    p.add_argument("model", help="folder with config.json and *.safetensors")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(or set MINI_VLLM_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use as `model` (default: the model path)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
+                   help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")

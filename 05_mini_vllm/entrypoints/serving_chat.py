@@ -1,0 +1,118 @@
+"""`POST /v1/chat/completions`: messages through the chat template, then the engine.
+
+vLLM counterpart: `vllm/entrypoints/openai/serving_chat.py`
+(`OpenAIServingChat.create_chat_completion`, `chat_completion_stream_generator`,
+`_create_chat_logprobs`) and `vllm/entrypoints/chat_utils.py`.
+
+Invariants:
+- The prompt is exactly what `LLM.chat` builds: the tokenizer's (or the
+  server's `--chat-template`) template applied with add_generation_prompt.
+- Without max_completion_tokens / max_tokens a reply may use the whole
+  context: max_model_len - prompt length (vLLM's default).
+- Streaming sends, per choice, a first chunk with role "assistant", then
+  content deltas, then a chunk with finish_reason; the content deltas
+  concatenate to the non-streamed message.
+"""
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mini_vllm.entrypoints.protocol import ChatCompletionRequest, UsageInfo, random_id
+from mini_vllm.entrypoints.serving_engine import (OpenAIServing, error_response, merge_streams, sse,
+                                                  value_error_response)
+
+
+def chat_logprobs(entries, k: int) -> dict:
+    content = []
+    for d in entries:
+        sampled_id, s = next(iter(d.items()))  # the sampled token comes first
+        tok = s.decoded_token if s.decoded_token is not None else str(sampled_id)
+        top = []
+        for tid, lp in sorted(d.items(), key=lambda kv: kv[1].rank or 0):
+            if lp.rank is not None and 1 <= lp.rank <= k and len(top) < k:
+                t = lp.decoded_token if lp.decoded_token is not None else str(tid)
+                top.append({"token": t, "logprob": lp.logprob, "bytes": list(t.encode())})
+        content.append({"token": tok, "logprob": s.logprob, "bytes": list(tok.encode()),
+                        "top_logprobs": top})
+    return {"content": content}
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, models, chat_template: str | None = None) -> None:
+        super().__init__(engine, models)
+        self.chat_template = chat_template
+
+    def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation (ValueError when no template is known)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
+        if self.chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError("messages cannot be rendered: the tokenizer has no chat_template; "
+                             "start the server with --chat-template")
+        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        ids = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=True,
+                                      add_generation_prompt=add_generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest):
+        if (err := self.models.check(req.model)) is not None:
+            return err
+        try:
+            ids = self.render(req.messages, req.add_generation_prompt)
+            if len(ids) >= self.engine.max_model_len:
+                return error_response(f"messages render to {len(ids)} tokens; the prompt must be "
+                                      f"shorter than max_model_len ({self.engine.max_model_len})", 400,
+                                      "messages")
+            params = req.to_sampling_params(default_max_tokens=self.engine.max_model_len - len(ids))
+            rid = random_id("chatcmpl")
+            started = await self.start_streams([{"prompt_token_ids": ids}], params, rid,
+                                               "delta" if req.stream else "final_only")
+        except ValueError as e:
+            return value_error_response(e)
+        model = req.model or self.models.names[0]
+        if req.stream:
+            return StreamingResponse(self._stream(req, started, rid, model), media_type="text/event-stream")
+        return await self._full(req, started, rid, model)
+
+    async def _full(self, req, started, rid, model) -> JSONResponse:
+        final = None
+        async for _, out in merge_streams(started):
+            final = out
+        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids))
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            usage.completion_tokens += len(c.token_ids)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs or [], req.top_logprobs or 0)
+                            if req.logprobs else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": model, "choices": choices, "usage": usage.model_dump()})
+
+    async def _stream(self, req, started, rid, model):
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        for i in range(req.n):  # the role comes first, as OpenAI sends it
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        usage = UsageInfo()
+        async for _, out in merge_streams(started):
+            usage.prompt_tokens = len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                lp = chat_logprobs(c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": c.finish_reason,
+                                                "stop_reason": c.stop_reason}]})
+        if include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield sse({**head, "choices": [], "usage": usage.model_dump()})
+        yield sse("[DONE]")
