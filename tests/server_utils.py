@@ -1,0 +1,86 @@
+"""Start `python -m mini_vllm serve` in a subprocess on a free 127.0.0.1 port,
+wait for /health, and stop it by its PID. Shared by tests/test_server_*.py."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from engine_utils import target_path
+
+SERVED_NAME = "tiny"
+API_KEY = "sk-test-key"
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+SERVER_KV = 16 << 20  # 16 MiB: ~200 blocks of 16 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str, startup_timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/mini_vllm_server_{self.port}.log"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("MINI_VLLM_API_KEY", None)
+        cmd = [sys.executable, "-m", "mini_vllm", "serve", target_path(), "--port", str(self.port),
+               "--served-model-name", SERVED_NAME, "--device", "cpu", "--kv-cache-memory-bytes",
+               str(SERVER_KV), "--chat-template", TEMPLATE, "--log-level", "warning", *extra]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {startup_timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-3000:]
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics (parsed with prometheus_client), keyed by sample name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if "le" not in s.labels}
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits; returns the last samples."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # only this server's PID
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
