@@ -106,10 +106,10 @@ class Sampler:
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 
-        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
-        if md.all_greedy:
-            sampled, processed = greedy_sampled, logits
+        if md.all_greedy:  # (an empty batch counts as all greedy)
+            sampled, processed = logits.argmax(dim=-1), logits
         else:
+            greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
             temp = md.temperature.to(logits.device)
             is_greedy = temp == 0.0
             if not md.all_random:

@@ -353,3 +353,11 @@ def test_greedy_rows_are_argmax_in_mixed_batches():
     md = build([SamplingParams(temperature=0.0)] * 4, 300)
     logits = torch.randn(4, 300, generator=g)
     assert torch.equal(Sampler()(logits, md).sampled_token_ids, logits.argmax(-1)), "all-greedy fast path"
+
+
+def test_empty_batch():
+    md = build([], 7)
+    out = Sampler()(torch.zeros(0, 7), md)
+    assert out.sampled_token_ids.shape == (0,) and out.logprobs_tensors is None, "an empty batch samples nothing"
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(torch.zeros(2, 7), md)
