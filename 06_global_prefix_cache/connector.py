@@ -61,6 +61,10 @@ class _Tracked:
 
 
 class GlobalCacheConnector(KVConnectorBase_V1):
+    #: Pluggable pieces; the exercise swaps in the learner's versions.
+    pack_block = staticmethod(pack_block)
+    unpack_block = staticmethod(unpack_block)
+
     def __init__(self, kv_transfer_config, role: KVConnectorRole, layout: KVLayout, store,
                  stats: ConnectorStats | None = None) -> None:
         super().__init__(kv_transfer_config, role)
@@ -127,7 +131,7 @@ class GlobalCacheConnector(KVConnectorBase_V1):
             if v is None:
                 break
             try:
-                out.append(unpack_block(k, v, self.layout))
+                out.append(self.unpack_block(k, v, self.layout))
             except CorruptBlockError as e:
                 self.stats.corrupt_blocks += 1
                 logger.warning("KV block rejected, treated as a miss: %s", e)
@@ -220,7 +224,7 @@ class GlobalCacheConnector(KVConnectorBase_V1):
         # ids may be reused by the scheduler while the saver thread works.
         blocks = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)], 1)
                               for k, v in self._kv_caches], 1).cpu()
-        self.saver.submit([(key, pack_block(key, blocks[i])) for i, (key, _) in enumerate(meta.saves)])
+        self.saver.submit([(key, self.pack_block(key, blocks[i])) for i, (key, _) in enumerate(meta.saves)])
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (bounded) until queued saves reached the store; True when they did."""

@@ -1,0 +1,197 @@
+"""Chapter 6 through the engine, with the in-process pool: engine B computes
+only what engine A did not, its tokens equal an engine without the pool, and
+nothing crosses a cache salt, a model or a dtype. Oracle: the same engine
+without a connector (itself checked against HF transformers in Chapter 5)."""
+import pathlib
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine_utils import assert_pool_full, make_llm, run_greedy, target_path
+from mini_vllm import SamplingParams
+from mini_vllm.global_cache import drop_local_pool, get_local_pool
+from mini_vllm.scheduler import Request
+
+BS = 16
+
+
+def tc(pool, role="kv_both", **extra):
+    return {"kv_connector": "GlobalCacheConnector", "kv_role": role,
+            "kv_connector_extra_config": {"backend": "local", "pool_name": pool, **extra}}
+
+
+@pytest.fixture
+def pool_name(request):
+    name = f"test-{request.node.name}"
+    drop_local_pool(name)
+    yield name
+    drop_local_pool(name)
+
+
+def prompts_with_prefix(seed, n, prefix_len, tail_len):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, 6000) for _ in range(prefix_len)]
+    return prefix, [prefix + [rng.randrange(10, 6000) for _ in range(tail_len)] for _ in range(n)]
+
+
+def record_scheduled(llm):
+    """Per step, the runner's {request id: tokens scheduled} (what it computes)."""
+    core = llm.llm_engine.engine_core
+    log, orig = [], core.executor.execute_model
+
+    def wrapped(so):
+        log.append(dict(so.num_scheduled_tokens))
+        return orig(so)
+    core.executor.execute_model = wrapped
+    return log
+
+
+def computed_per_request(log):
+    out = {}
+    for step in log:
+        for rid, n in step.items():
+            out[rid] = out.get(rid, 0) + n
+    return out
+
+
+def flush(llm):
+    assert llm.llm_engine.engine_core.kv_connector_worker.flush(10), "saves did not drain"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return make_llm()
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk):
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    prefix, a_prompts = prompts_with_prefix(1, 1, 200, 30)
+    _, b_prompts = prompts_with_prefix(11, 3, 200, 21)  # other tails
+    b_prompts = [prefix + p[200:] for p in b_prompts]
+    a = make_llm(kv_transfer_config=tc(pool_name), **kw)
+    a_out = run_greedy(a, a_prompts, 4)
+    flush(a)
+    b = make_llm(kv_transfer_config=tc(pool_name), **kw)
+    log = record_scheduled(b)
+    b_out = run_greedy(b, b_prompts, 6)
+    assert a_out == run_greedy(reference, a_prompts, 4), "saving changed engine A's tokens"
+    assert b_out == run_greedy(reference, b_prompts, 6), \
+        "engine B's tokens differ from an engine without the pool: a wrong or misplaced load"
+    shared = (200 // BS) * BS
+    per_req = computed_per_request(log)
+    for rid, p in zip(sorted(per_req, key=int), b_prompts):
+        # 6 outputs: the first comes with the prompt step, 5 decode steps follow.
+        assert per_req[rid] == len(p) - shared + 5, (
+            f"request {rid} computed {per_req[rid] - 5} prompt tokens; only the tail "
+            f"{len(p) - shared} beyond A's {shared} cached tokens should be")
+    st = b.llm_engine.engine_core.kv_connector.stats
+    assert st.external_hit_tokens >= shared and st.blocks_loaded == shared // BS
+    assert st.corrupt_blocks == 0 and st.store_errors == 0
+    assert_pool_full(b)
+
+
+def _core_run(llm, reqs, max_tokens=4):
+    """Drive the engine core directly (Requests carry a cache salt)."""
+    core = llm.llm_engine.engine_core
+    for r in reqs:
+        core.add_request(r)
+    out = {r.request_id: [] for r in reqs}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            out[o.request_id].extend(o.new_token_ids)
+    core.kv_connector_worker.flush(10)
+    return out
+
+
+def _req(rid, prompt, salt=None):
+    return Request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                   cache_salt=salt)
+
+
+def test_cache_salt_isolates_tenants(pool_name):
+    _, (p,) = prompts_with_prefix(2, 1, 160, 9)
+    a = make_llm(kv_transfer_config=tc(pool_name))
+    ref = _core_run(a, [_req("a", p, "tenant-1")])
+    b = make_llm(kv_transfer_config=tc(pool_name))
+    st = b.llm_engine.engine_core.kv_connector.stats
+    got = _core_run(b, [_req("b1", p, "tenant-2"), _req("b2", p, None)])
+    assert st.hit_blocks == 0, "a block saved under one cache salt was found under another"
+    assert got["b1"] == got["b2"] == ref["a"]
+    got = _core_run(b, [_req("b3", p, "tenant-1")])
+    assert st.hit_blocks == len(p) // BS and got["b3"] == ref["a"], "same salt must hit"
+
+
+def test_other_dtype_and_other_model_never_hit(pool_name, tmp_path):
+    _, prompts = prompts_with_prefix(3, 2, 96, 40)
+    a = make_llm(kv_transfer_config=tc(pool_name))
+    run_greedy(a, prompts, 2)
+    flush(a)
+    # 137 tokens with KV per request: 8 full blocks, the first 6 shared.
+    assert len(get_local_pool(pool_name, 1)) == 6 + 2 * 2, "A should have saved every full block once"
+    b16 = make_llm(kv_transfer_config=tc(pool_name), dtype="bfloat16")
+    run_greedy(b16, prompts, 2)
+    assert b16.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, \
+        "a bfloat16 engine loaded float32 blocks"
+    # Same architecture and files, one tensor changed: only the model fingerprint differs.
+    from safetensors.torch import load_file, save_file
+    src = pathlib.Path(target_path())
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    for f in src.glob("*.safetensors"):
+        w = load_file(f)
+        name = sorted(k for k in w if "layers.2." in k and "weight" in k)[0]
+        w[name] = w[name] * 1.5
+        save_file(w, tmp_path / f.name, metadata={"format": "pt"})
+    from mini_vllm.global_cache import model_content_id
+    same = tmp_path / "copy"
+    shutil.copytree(src, same)
+    assert model_content_id(str(same)) == model_content_id(str(src)), \
+        "the fingerprint must follow content, not the path (machines mount models elsewhere)"
+    assert model_content_id(str(tmp_path)) != model_content_id(str(src))
+    other = make_llm(str(tmp_path), kv_transfer_config=tc(pool_name))
+    out = run_greedy(other, prompts, 2)
+    assert other.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, \
+        "an engine with other weights loaded this model's blocks"
+    assert out == run_greedy(make_llm(str(tmp_path)), prompts, 2)
+
+
+def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference):
+    _, (p,) = prompts_with_prefix(4, 1, 128, 5)
+    a = make_llm(kv_transfer_config=tc(pool_name))
+    run_greedy(a, [p], 2)
+    flush(a)
+    pool = get_local_pool(pool_name, 1)
+    conn = a.llm_engine.engine_core.kv_connector
+    from mini_vllm.kvcache import hash_request_tokens
+    key = conn.key(hash_request_tokens(BS, p)[3])  # the fourth block
+    data = bytearray(pool.batch_get([key])[0])
+    data[len(data) // 2] ^= 0x40
+    pool.raw_set(key, bytes(data))
+    b = make_llm(kv_transfer_config=tc(pool_name))
+    log = record_scheduled(b)
+    assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3), "a corrupted block was loaded"
+    st = b.llm_engine.engine_core.kv_connector.stats
+    assert st.corrupt_blocks == 1 and st.hit_blocks == 3
+    assert computed_per_request(log)["0"] == len(p) - 3 * BS + 2, \
+        "blocks from the corrupted one onwards must be recomputed"
+
+
+def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference):
+    """A pool of 5 blocks and a KV cache small enough to preempt: every token
+    still matches, and no local block leaks."""
+    _, prompts = prompts_with_prefix(5, 6, 64, 40)
+    kw = dict(num_gpu_blocks_override=24, max_num_seqs=6)
+    a = make_llm(kv_transfer_config=tc(pool_name, capacity_bytes=5 * 82_000), **kw)
+    want = run_greedy(reference, prompts, 16)
+    assert run_greedy(a, prompts, 16) == want
+    flush(a)
+    assert len(get_local_pool(pool_name, 1)) <= 5
+    b = make_llm(kv_transfer_config=tc(pool_name), **kw)
+    assert run_greedy(b, prompts, 16) == want
+    assert a.llm_engine.engine_core.scheduler.num_preemptions > 0, "the test should preempt"
+    assert_pool_full(a)
+    assert_pool_full(b)

@@ -1,0 +1,216 @@
+"""Chapter 6 building blocks without a model: config validation, block
+values with checksums, keys and fingerprints, the LRU byte budget, and the
+connector's matching logic (`get_num_new_matched_tokens`) against a pool
+filled by hand. The serde and matching tests also run with --impl=exercise."""
+import dataclasses
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mini_vllm.global_cache import (KVConnectorRole, KVLayout, KVTransferConfig, LocalLRUPool,
+                                    StoreUnavailable)
+from mini_vllm.kvcache import hash_request_tokens
+
+LAYOUT = KVLayout("m", "float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=3)
+
+
+def block_for(i: int, layout=LAYOUT) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(layout.block_shape, generator=g).to(layout.torch_dtype)
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("bad, field", [
+    ({"kv_role": "kv_sender"}, "kv_role"),
+    ({"kv_connector": "Nixl"}, "kv_connector"),
+    ({"kv_connector_extra_config": {"bakend": "local"}}, "unknown key"),
+    ({"kv_connector_extra_config": {"backend": "disk"}}, "backend"),
+    ({"kv_connector_extra_config": {"timeout_s": 0}}, "timeout_s"),
+    ({"kv_connector_extra_config": {"backend": "valkey", "url": "http://x"}}, "url"),
+    ({"kv_rank": 0}, "unknown key"),
+])
+def test_bad_kv_transfer_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        KVTransferConfig.from_dict(bad)
+
+
+def test_roles():
+    for role, prod, cons in (("kv_producer", True, False), ("kv_consumer", False, True),
+                             ("kv_both", True, True)):
+        tc = KVTransferConfig.from_dict({"kv_role": role})
+        assert (tc.is_kv_producer, tc.is_kv_consumer) == (prod, cons), role
+
+
+# ------------------------------------------------------------------- serde
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_block_round_trip_is_bit_exact(chapter, dtype):
+    gc = chapter("global_cache")
+    lay = dataclasses.replace(LAYOUT, dtype=dtype)
+    x = block_for(1, lay)
+    out = gc.unpack_block("k1", gc.pack_block("k1", x), lay)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), "round trip changed bytes"
+
+
+@given(pos=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_any_flipped_bit_is_rejected(chapter, pos, bit):
+    gc = chapter("global_cache")
+    data = bytearray(gc.pack_block("k", block_for(2)))
+    data[pos % len(data)] ^= 1 << bit
+    with pytest.raises(gc.CorruptBlockError):
+        gc.unpack_block("k", bytes(data), LAYOUT)
+
+
+def test_truncated_foreign_and_other_layout_values_are_rejected(chapter):
+    gc = chapter("global_cache")
+    data = gc.pack_block("k", block_for(3))
+    for bad, why in ((data[:-1], "truncated"), (data[:10], "truncated header"),
+                     (data + b"x", "trailing bytes"), (b"", "empty")):
+        with pytest.raises(gc.CorruptBlockError):
+            gc.unpack_block("k", bad, LAYOUT)
+            pytest.fail(why)
+    with pytest.raises(gc.CorruptBlockError, match="another key"):
+        gc.unpack_block("other", data, LAYOUT)  # a value stored under the wrong key
+    with pytest.raises(gc.CorruptBlockError):  # same byte count, other dtype
+        gc.unpack_block("k", data, dataclasses.replace(LAYOUT, dtype="float16", head_dim=6))
+
+
+# -------------------------------------------------------------------- keys
+def test_fingerprint_changes_with_every_layout_field():
+    base = LAYOUT.fingerprint()
+    for f, v in (("model_id", "m2"), ("dtype", "bfloat16"), ("block_size", 8),
+                 ("num_layers", 3), ("num_kv_heads", 2), ("head_dim", 4), ("tp_rank", 1)):
+        assert dataclasses.replace(LAYOUT, **{f: v}).fingerprint() != base, \
+            f"{f} changes the KV bytes, so it must change the fingerprint"
+    assert KVLayout(*dataclasses.astuple(LAYOUT)).fingerprint() == base
+
+
+# -------------------------------------------------------------- LRU pool
+@given(ops=st.lists(st.tuples(st.sampled_from("pg"), st.integers(0, 7), st.integers(1, 40)),
+                    max_size=60), cap=st.integers(1, 100))
+def test_lru_pool_matches_a_model(ops, cap):
+    pool, model = LocalLRUPool(cap), OrderedDict()
+    for op, k, n in ops:
+        key = f"k{k}"
+        if op == "p":
+            pool.batch_put([(key, bytes([k]) * n)])
+            if n <= cap:
+                model.pop(key, None)
+                while sum(map(len, model.values())) + n > cap:
+                    model.popitem(last=False)
+                model[key] = bytes([k]) * n
+        else:
+            got = pool.batch_get([key])[0]
+            assert got == model.get(key), "the pool must evict least recently used first"
+            if key in model:
+                model.move_to_end(key)
+        assert pool.used_bytes == sum(map(len, model.values())) <= cap, "byte budget broken"
+    assert pool.batch_exists([f"k{i}" for i in range(8)]) == [f"k{i}" in model for i in range(8)]
+
+
+# ------------------------------------------------------- connector matching
+class Req:
+    def __init__(self, rid, tokens, salt=None):
+        self.request_id, self.all_token_ids, self.cache_salt = rid, list(tokens), salt
+
+    @property
+    def num_tokens(self):
+        return len(self.all_token_ids)
+
+
+def make_conn(gc, role="kv_both", store=None):
+    tc = KVTransferConfig.from_dict({"kv_role": role})
+    return gc.GlobalCacheConnector(tc, KVConnectorRole.SCHEDULER, LAYOUT,
+                                   store if store is not None else LocalLRUPool(1 << 20))
+
+
+def fill(conn, tokens, n_blocks, salt=None, corrupt=()):
+    hashes = hash_request_tokens(LAYOUT.block_size, tokens, cache_salt=salt)
+    for i in range(n_blocks):
+        key = conn.key(hashes[i])
+        data = bytearray(conn.pack_block(key, block_for(i)))
+        if i in corrupt:
+            data[-1] ^= 0xFF
+        conn.store.batch_put([(key, bytes(data))])
+
+
+TOKENS = list(range(100, 121))  # 21 tokens: 5 full blocks of 4, one partial
+
+
+@pytest.mark.parametrize("stored, computed, expect", [
+    (5, 0, 20),   # every full block, the partial one never
+    (5, 8, 12),   # beyond a local hit of two blocks
+    (2, 0, 8),    # the longest stored run
+    (0, 0, 0),
+    (5, 20, 0),   # nothing left beyond the local hit
+])
+def test_matched_tokens_is_the_stored_run_after_the_local_hit(chapter, stored, computed, expect):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, stored)
+    n, async_load = conn.get_num_new_matched_tokens(Req("a", TOKENS), computed)
+    assert (n, async_load) == (expect, False)
+
+
+def test_last_token_is_never_external(chapter):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    toks = TOKENS[:20]  # exactly 5 blocks: the 5th holds the last token
+    fill(conn, toks, 5)
+    assert conn.get_num_new_matched_tokens(Req("a", toks), 0)[0] == 16, \
+        "the last token must be computed to sample from it"
+
+
+def test_a_gap_or_corrupt_block_ends_the_match(chapter):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, 5, corrupt={2})
+    assert conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 8, \
+        "a corrupt block is a miss, and blocks after it chain through it"
+    assert conn.stats.corrupt_blocks == 1
+
+
+def test_salt_and_role_gate_matching(chapter):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, 5, salt="tenant-a")
+    assert conn.get_num_new_matched_tokens(Req("a", TOKENS, "tenant-b"), 0)[0] == 0
+    assert conn.get_num_new_matched_tokens(Req("b", TOKENS, None), 0)[0] == 0
+    assert conn.get_num_new_matched_tokens(Req("c", TOKENS, "tenant-a"), 0)[0] == 20
+    prod = make_conn(gc, "kv_producer", conn.store)
+    assert prod.get_num_new_matched_tokens(Req("d", TOKENS, "tenant-a"), 0)[0] == 0, \
+        "a kv_producer never loads"
+
+
+def test_store_down_is_a_counted_miss(chapter):
+    gc = chapter("global_cache")
+
+    class Down(LocalLRUPool):
+        def batch_get(self, keys):
+            raise StoreUnavailable("down")
+
+    conn = make_conn(gc, store=Down(1 << 20))
+    assert conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 0
+    assert conn.stats.store_errors == 1
+
+
+def test_loads_pair_fetched_blocks_with_allocated_ids(chapter):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, 5)
+    req = Req("a", TOKENS)
+    req.num_computed_tokens = 0
+    assert conn.get_num_new_matched_tokens(req, 4)[0] == 16
+    conn.update_state_after_alloc(req, [7, 8, 9, 10, 11, 12], 16)
+    from mini_vllm.scheduler.output import NewRequestData, SchedulerOutput
+    so = SchedulerOutput(num_scheduled_tokens={"a": 1})
+    so.scheduled_new_reqs.append(NewRequestData("a", TOKENS, TOKENS, [7, 8, 9, 10, 11, 12], 20))
+    req.num_computed_tokens = 21
+    meta = conn.build_connector_meta(so)
+    assert [b for b, _ in meta.loads] == [8, 9, 10, 11], "block i of the request goes to its id"
+    for (b, x), i in zip(meta.loads, range(1, 5)):
+        assert torch.equal(x, block_for(i)), f"block {b} got another block's KV"
+    assert meta.saves == [], "loaded or locally cached blocks are not saved again"
