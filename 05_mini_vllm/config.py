@@ -52,6 +52,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1         # ranks; > 1 runs MultiprocExecutor (gloo/NCCL)
     tokenizer: str | None = None
     log_stats: bool = False
     speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
@@ -74,7 +75,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
-        for name in ("max_num_seqs",):
+        for name in ("max_num_seqs", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -45,7 +45,11 @@ class EngineCoreStep:
 class EngineCore:
     def __init__(self, config) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        if getattr(config, "tensor_parallel_size", 1) > 1:
+            from mini_vllm.multiproc_executor import MultiprocExecutor  # spawns ranks 1..N-1
+            self.executor = MultiprocExecutor(config)
+        else:
+            self.executor = UniProcExecutor(config)
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         budget_probe = config.scheduler_config(self.max_model_len, 0)
@@ -77,6 +81,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (none with one rank)."""
+        self.executor.shutdown()
 
     def step(self) -> EngineCoreStep:
         t0 = time.perf_counter()

@@ -1,10 +1,10 @@
 """Executors run the worker(s) (counterpart of `vllm/v1/executor/abstract.py`
 and `uniproc_executor.py`).
 
-The engine talks to an executor, never to a worker: today one worker in this
-process; a tensor-parallel executor would start one worker per rank and
-broadcast each SchedulerOutput to all of them, since the runner learns
-everything from that object alone.
+The engine talks to an executor, never to a worker: here one worker in this
+process; `multiproc_executor.MultiprocExecutor` (tensor_parallel_size > 1)
+starts one worker per rank and broadcasts each SchedulerOutput to all of
+them, since the runner learns everything from that object alone.
 """
 from __future__ import annotations
 
@@ -25,3 +25,6 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the worker lives in this process."""

@@ -21,6 +21,10 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(str(model), tokenizer_obj=tokenizer, **engine_args)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1); idempotent."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 

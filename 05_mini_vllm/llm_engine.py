@@ -121,6 +121,10 @@ class LLMEngine:
         self.engine_core.abort_requests(core)
         self.output_processor.abort_requests(request_ids)
 
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor parallelism); also runs on garbage collection and exit."""
+        self.engine_core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.request_states) or self.engine_core.has_unfinished_requests()
 

@@ -8,6 +8,11 @@ KV budget, in order of precedence:
 * CPU: `kv_cache_memory_bytes` (default 512 MiB);
 * CUDA: `gpu_memory_utilization` x total memory, minus the peak that a
   profiling forward pass of `max_num_batched_tokens` tokens reached.
+
+Tensor parallelism: a worker is one rank; it builds the model inside its
+group (each layer keeps only its shard) and allocates the KV cache of its own
+KV heads only. All ranks agree on the number of blocks (the minimum), so the
+driver's block ids and block tables address the same slots on every rank.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from mini_vllm.attention_backends import default_backend
 from mini_vllm.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
                                     num_blocks_for_budget)
+from mini_vllm.distributed import GroupCoordinator, min_over_ranks, use_tp_group
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
@@ -28,11 +34,15 @@ logger = logging.getLogger("mini_vllm")
 
 
 class Worker:
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp_group=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
-                                                   device=self.device)
+        self.tp_group = tp_group or GroupCoordinator()  # None: one rank
+        with use_tp_group(self.tp_group):  # the layers shard themselves for this rank
+            self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
+                                                       device=self.device)
+        # this rank's KV heads: all of them, or its slice under tensor parallelism
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = config.attention_backend or default_backend(self.device)
         set_attention_backend(self.model, self.attention_backend)
         mc = self.model_config
@@ -41,7 +51,7 @@ class Worker:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({mc.max_position_embeddings}), got {self.max_model_len}")
         self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers, config.block_size,
-                                                  mc.num_key_value_heads, mc.head_dim,
+                                                  self.num_kv_heads, mc.head_dim,
                                                   config.torch_dtype)
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> tuple[int, int]:
@@ -53,6 +63,7 @@ class Worker:
         else:
             budget = cfg.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
             n_gpu = num_blocks_for_budget(budget, self.bytes_per_block, "kv_cache_memory_bytes")
+        n_gpu = min_over_ranks(n_gpu, self.tp_group)  # block ids mean the same on every rank
         n_cpu = cfg.num_cpu_blocks + int(cfg.swap_space * (1 << 30) // self.bytes_per_block)
         return n_gpu, n_cpu
 
@@ -64,7 +75,7 @@ class Worker:
         n_blocks = -(-num_tokens // bs)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        tmp = [allocate_kv_cache(n_blocks, bs, mc.num_key_value_heads, mc.head_dim,
+        tmp = [allocate_kv_cache(n_blocks, bs, self.num_kv_heads, mc.head_dim,
                                  cfg.torch_dtype, self.device) for _ in range(mc.num_hidden_layers)]
         for layer, kv in zip(self.model.attention_layers(), tmp):
             layer.kv_cache = kv
@@ -94,7 +105,7 @@ class Worker:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int) -> None:
         mc, cfg = self.model_config, self.config
         self.cache_engine = CacheEngine(mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks,
-                                        cfg.block_size, mc.num_key_value_heads, mc.head_dim,
+                                        cfg.block_size, self.num_kv_heads, mc.head_dim,
                                         cfg.torch_dtype, self.device)
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device)

@@ -1,4 +1,4 @@
-"""Linear layers shaped like vLLM's tensor-parallel ones (tensor-parallel size 1).
+"""Linear layers shaped like vLLM's tensor-parallel ones.
 
 vLLM counterpart: `vllm/model_executor/layers/linear.py` (`ColumnParallelLinear`,
 `RowParallelLinear`, `QKVParallelLinear`, `MergedColumnParallelLinear`).
@@ -8,12 +8,25 @@ instead of three and two. Hugging Face checkpoints store the parts separately,
 so each merged parameter has a `weight_loader(param, loaded_weight, shard_id)`
 that copies one part into its row range.
 
+Tensor parallelism (Megatron style), over the group the layer was built under
+(`mini_vllm.distributed.get_tp_group()`, read once in `__init__`):
+* column-parallel: each rank holds output rows [rank*n/tp, (rank+1)*n/tp) and
+  computes its slice of the output; no communication;
+* row-parallel: each rank holds input columns [rank*k/tp, ...), multiplies its
+  slice of the input and the ranks all-reduce (sum) the partial outputs; the
+  bias is added once, after the sum;
+* QKV splits by heads: rank r holds q heads [r*H/tp, ...) and the kv heads
+  they attend to; with tp > num_kv_heads each kv head is replicated on
+  tp/num_kv_heads consecutive ranks (vLLM's rule).
+
 Invariants:
-* weight is [output_size, input_size] (the `F.linear` layout), bias [output_size];
-* QKV rows are [q: num_heads*head_dim | k: num_kv_heads*head_dim | v: same];
-  gate_up rows are [gate: intermediate | up: intermediate];
+* weight is [output_size_per_partition, input_size_per_partition] (the
+  `F.linear` layout), bias [output_size_per_partition];
+* QKV rows are [q: num_heads*head_dim | k: num_kv_heads*head_dim | v: same]
+  with this rank's head counts; gate_up rows are [gate | up], each I/tp;
 * a loader never copies a tensor whose shape differs from its target slice:
-  it raises ValueError with both shapes.
+  it raises ValueError with both shapes;
+* with tp = 1 every layer computes exactly what it did before (same calls).
 """
 from __future__ import annotations
 
@@ -21,18 +34,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import default_weight_loader
+from mini_vllm.distributed import divide, get_tp_group, tensor_model_parallel_all_reduce
+
+from .layers import default_weight_loader, narrow_weight, weight_shape
 
 
-def _check_shard(shard_id, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(loaded.shape) != expected:
+def _check_shard(shard_id, loaded, expected: tuple[int, ...]) -> None:
+    if weight_shape(loaded) != expected:
         raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint tensor has shape "
-                         f"{tuple(loaded.shape)}, the model expects {expected}")
+                         f"{weight_shape(loaded)}, the model expects {expected}")
+
+
+def _copy_rows(param, loaded, start: int, size: int, src_start: int, shard_id, full: int) -> None:
+    """param rows [start, start+size) <- checkpoint rows [src_start, ...) of a part `full` rows long."""
+    target = param.data.narrow(0, start, size)
+    _check_shard(shard_id, loaded, (full,) + tuple(target.shape[1:]))
+    with torch.no_grad():
+        target.copy_(narrow_weight(loaded, 0, src_start, size))
 
 
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.world_size
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
@@ -42,7 +67,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,45 +75,115 @@ class LinearBase(nn.Module):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Splits output features across ranks (one rank here)."""
+    """Splits output features across ranks: weight rows [rank*n/tp, (rank+1)*n/tp)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_group().world_size
+        self.output_size_per_partition = divide(output_size, tp, "output_size")
+        super().__init__(input_size, self.output_size_per_partition, bias)
+        self.total_output_size = output_size
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if self.tp_size == 1:
+            return default_weight_loader(param, loaded_weight)
+        n = self.output_size_per_partition
+        _copy_rows(param, loaded_weight, 0, n, self.tp_rank * n, shard_id, self.total_output_size)
 
 
 class RowParallelLinear(LinearBase):
-    """Splits input features across ranks (one rank here; no all-reduce)."""
+    """Splits input features across ranks; the partial outputs are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_group().world_size
+        self.input_size_per_partition = divide(input_size, tp, "input_size")
+        super().__init__(self.input_size_per_partition, output_size, bias)
+        self.total_input_size = input_size
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if self.tp_size == 1 or param is self.bias:  # the bias is whole on every rank
+            return default_weight_loader(param, loaded_weight)
+        k = self.input_size_per_partition
+        expected = (self.output_size, self.total_input_size)
+        if weight_shape(loaded_weight) != expected:
+            raise ValueError(f"shape mismatch: checkpoint tensor has shape "
+                             f"{weight_shape(loaded_weight)}, the model expects {expected}")
+        with torch.no_grad():
+            param.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * k, k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight), self.tp)
+        return out if self.bias is None else out + self.bias  # bias once, after the sum
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs stacked; shard_id is the part's index."""
+    """Several column-parallel outputs stacked; shard_id is the part's index.
+    Each part is split on its own, so rank r holds [gate_r | up_r]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        self.output_sizes = list(output_sizes)
+        tp = get_tp_group().world_size
+        self.output_sizes = [divide(s, tp, "intermediate_size") for s in output_sizes]
+        self.total_output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if shard_id is None:  # an already-merged checkpoint tensor
-            return default_weight_loader(param, loaded_weight)
-        start = sum(self.output_sizes[:shard_id])
-        target = param.data.narrow(0, start, self.output_sizes[shard_id])
-        _check_shard(shard_id, loaded_weight, tuple(target.shape))
-        with torch.no_grad():
-            target.copy_(loaded_weight)
+            if self.tp_size == 1:
+                return default_weight_loader(param, loaded_weight)
+            _check_shard(None, loaded_weight,
+                         (sum(self.total_output_sizes),) + tuple(param.shape[1:]))
+            src = 0
+            for i, (n, full) in enumerate(zip(self.output_sizes, self.total_output_sizes)):
+                part = narrow_weight(loaded_weight, 0, src, full)
+                self.weight_loader(param, part, i)
+                src += full
+            return
+        n, full = self.output_sizes[shard_id], self.total_output_sizes[shard_id]
+        _copy_rows(param, loaded_weight, sum(self.output_sizes[:shard_id]), n,
+                   self.tp_rank * n, shard_id, full)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """[q | k | v] projection; shard_id is "q", "k" or "v"."""
+    """[q | k | v] projection; shard_id is "q", "k" or "v".
+
+    `num_heads` / `num_kv_heads` are this rank's counts; `total_*` the model's."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
-        self.head_size, self.num_heads, self.num_kv_heads = head_size, total_num_heads, total_num_kv_heads
-        q, kv = total_num_heads * head_size, total_num_kv_heads * head_size
+        tp = get_tp_group().world_size
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
+        if tp >= total_num_kv_heads:  # replicate: each kv head on tp/K ranks
+            if tp % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of "
+                                 f"num_key_value_heads ({total_num_kv_heads}) when it exceeds it")
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp // total_num_kv_heads
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        q, kv = self.num_heads * head_size, self.num_kv_heads * head_size
         self.shard_ranges = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        super().__init__(hidden_size, q + 2 * kv, bias)
+        tq, tkv = total_num_heads * head_size, total_num_kv_heads * head_size
+        self.total_shard_ranges = {"q": (0, tq), "k": (tq, tkv), "v": (tq + tkv, tkv)}
+        # the column split is by heads, not by rows of the merged matrix
+        super().__init__(hidden_size, (q + 2 * kv) * tp, bias)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if shard_id is None:
-            return default_weight_loader(param, loaded_weight)
+            if self.tp_size == 1:
+                return default_weight_loader(param, loaded_weight)
+            tq, tkv = self.total_shard_ranges["q"][1], self.total_shard_ranges["k"][1]
+            _check_shard(None, loaded_weight, (tq + 2 * tkv,) + tuple(param.shape[1:]))
+            for sid in ("q", "k", "v"):
+                src, full = self.total_shard_ranges[sid]
+                self.weight_loader(param, narrow_weight(loaded_weight, 0, src, full), sid)
+            return
         start, size = self.shard_ranges[shard_id]
-        target = param.data.narrow(0, start, size)
-        _check_shard(shard_id, loaded_weight, tuple(target.shape))
-        with torch.no_grad():
-            target.copy_(loaded_weight)
+        if shard_id == "q":
+            head0 = self.tp_rank * self.num_heads
+        else:
+            head0 = (self.tp_rank // self.num_kv_head_replicas) * self.num_kv_heads
+        _copy_rows(param, loaded_weight, start, size, head0 * self.head_size, shard_id,
+                   self.total_shard_ranges[shard_id][1])

@@ -10,7 +10,10 @@ Invariants:
   `gate_up_proj`, listed in `packed_modules_mapping` for the loader;
 * the residual stream is carried beside the hidden state (vLLM's fused
   add + RMSNorm), which adds in the same order as Hugging Face's code;
-* `compute_logits` returns float32 whatever the model dtype.
+* `compute_logits` returns float32 whatever the model dtype;
+* tensor parallelism: attention heads and MLP columns are split across the
+  ranks of the group the layers were built under (see `linear.py`); per
+  layer exactly two all-reduces, after o_proj and after down_proj.
 """
 from __future__ import annotations
 
@@ -41,10 +44,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, attention_backend: str):
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.head_dim = c.head_dim
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, self.head_dim, c.num_attention_heads,
+                                          c.num_key_value_heads, qkv_bias)
+        # this rank's heads (all of them with tensor-parallel size 1)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(c.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, c.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * self.head_dim, c.hidden_size, bias=o_bias)
         self.rotary_emb = get_rope(self.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               attention_backend)

@@ -15,7 +15,10 @@ Invariants:
   - a tensor the model has no place for -> ValueError naming file and tensor,
   - a model parameter no file provides -> ValueError naming the tensor;
 * a tied model (`tie_word_embeddings`) needs no `lm_head.weight`; a copy in
-  the checkpoint is ignored.
+  the checkpoint is ignored;
+* weight loaders get lazy safetensors slices, never whole tensors: under
+  tensor parallelism (the model built inside `use_tp_group`) each rank reads
+  only its shard's bytes from the file, never the full model.
 """
 from __future__ import annotations
 
@@ -100,11 +103,12 @@ def load_weights(model, files: list[Path]) -> None:
                                      f"{type(model).__name__} has no parameter for it")
                 pname, shard = expected[name]
                 param = params[pname]
+                lazy = f.get_slice(name)  # a loader reads only its rank's rows/columns
                 try:
                     if shard is None:
-                        param.weight_loader(param, f.get_tensor(name))
+                        param.weight_loader(param, lazy)
                     else:
-                        param.weight_loader(param, f.get_tensor(name), shard)
+                        param.weight_loader(param, lazy, shard)
                 except ValueError as e:
                     raise ValueError(f"{file}: tensor {name!r}: {e}") from None
                 seen.add(name)
