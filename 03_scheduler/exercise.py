@@ -97,7 +97,9 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
             "and computed = n_hit. d = self.delta(req, computed, req.num_tokens). False if d <= 0, or "
             "if d < req.num_tokens - computed without self.cfg.enable_chunked_prefill (a prompt then "
             "goes in whole or waits). False if self.kv.allocate_slots(req, d, n_hit, hit_blocks) is None "
-            "(nothing was changed). Else self._commit_admission(req, d, n_hit, swapped) and True.")
+            "(nothing was changed). Else self._commit_admission(req, d, n_hit, swapped) and True. "
+            "(The reference also asks a Chapter 6 KV connector for tokens beyond the local hit; "
+            "leave that out: these tests run without a connector.)")
 
 
 class Scheduler(_given(_sched.Scheduler, "schedule")):

@@ -135,7 +135,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="prefix_hit_not_computed",
         path=STEP,
-        old="req.num_computed_tokens = n_hit  # Table 4.1, prefix caching row",
+        old="req.num_computed_tokens = n_hit + n_ext  # Table 4.1, prefix caching row",
         new="pass",
         tests=TESTS,
         why="admission with prefix hits leaves num_computed_tokens at 0 (hits recomputed, KV misplaced)",
