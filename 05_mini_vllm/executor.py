@@ -26,5 +26,10 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
 
+    def collective_rpc(self, method, *args) -> list:
+        """`Worker.method(*args)`, or fn(worker, *args): one result per rank (one rank here)."""
+        fn = getattr(self.worker, method) if isinstance(method, str) else method
+        return [fn(*args) if isinstance(method, str) else fn(self.worker, *args)]
+
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives in this process."""

@@ -15,6 +15,8 @@ Protocol (every rank runs the same calls in the same order):
 * only rank 0's ModelRunnerOutput is used: the others sample too (they hold
   the same gathered logits) but drop the result; their runners learn the
   sampled tokens from the next SchedulerOutput, like rank 0's;
+* `collective_rpc` also gathers every rank's result to the driver (tests
+  read each rank's KV cache and shard shapes this way);
 * `None` is the shutdown message: workers leave the group and exit.
 
 Failure and cleanup:
@@ -34,6 +36,7 @@ with the same variables (their RANK); they receive the engine config from rank 0
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -47,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mini_vllm.distributed import (broadcast_object, destroy_distributed_environment,
-                                   init_distributed_environment)
+                                   gather_object, init_distributed_environment)
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.worker import Worker
 
@@ -82,6 +85,11 @@ def _torchrun_env() -> dict | None:
     return None
 
 
+def _bind(worker, method):
+    """A Worker method name, or a picklable function called as fn(worker, *args)."""
+    return getattr(worker, method) if isinstance(method, str) else functools.partial(method, worker)
+
+
 def worker_busy_loop(rank: int, world_size: int, rendezvous, device: str | None = None) -> None:
     """Body of ranks 1..N-1: join the group, build the Worker, run broadcast calls until None.
 
@@ -111,8 +119,10 @@ def worker_busy_loop(rank: int, world_size: int, rendezvous, device: str | None 
             msg = broadcast_object(None, group)
             if msg is None:
                 break
-            method, args = msg
-            getattr(worker, method)(*args)
+            method, args, collect = msg
+            result = _bind(worker, method)(*args)
+            if collect:
+                gather_object(result, group)
     finally:
         destroy_distributed_environment()
 
@@ -226,7 +236,14 @@ class MultiprocExecutor:
 
     def rpc(self, method: str, *args):
         """Run `Worker.method(*args)` on every rank; rank 0's result."""
-        return self._call(lambda: getattr(self.worker, method)(*args), (method, args))
+        return self._call(lambda: getattr(self.worker, method)(*args), (method, args, False))
+
+    def collective_rpc(self, method, *args) -> list:
+        """Run `method` (a Worker method name, or a module-level function called as
+        fn(worker, *args)) on every rank; the results of all ranks, in rank order."""
+        def local():
+            return gather_object(_bind(self.worker, method)(*args), self.tp_group)
+        return self._call(local, (method, args, True))
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> tuple[int, int]:
         return self.rpc("determine_num_blocks", max_num_batched_tokens)

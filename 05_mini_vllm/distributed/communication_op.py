@@ -64,3 +64,12 @@ def min_over_ranks(value: int, group: GroupCoordinator) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
     return int(t.item())
+
+
+def gather_object(obj, group: GroupCoordinator, dst: int = 0):
+    """Every rank's `obj`, in rank order, on rank `dst` (None elsewhere)."""
+    if group.world_size == 1:
+        return [obj]
+    out = [None] * group.world_size if group.rank == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group.cpu_group)
+    return out
