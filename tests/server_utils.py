@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from engine_utils import target_path
 
@@ -84,3 +85,11 @@ class Server:
                 self.proc.wait(5)
         self._log.close()
         return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def api_server():
+    """One server for the API and error tests, with --api-key API_KEY."""
+    s = Server("--api-key", API_KEY)
+    yield s
+    s.stop()

@@ -8,22 +8,20 @@ import pytest
 
 from engine_utils import make_llm
 from mini_vllm import SamplingParams
-from server_utils import SERVED_NAME, TEMPLATE, Server
+from server_utils import API_KEY, SERVED_NAME, TEMPLATE, api_server  # noqa: F401 - a fixture
 
 PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server()
-    yield s
-    s.stop()
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +153,7 @@ def test_async_client_concurrent_streams(server, llm):
         return text
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
         streamed = await asyncio.gather(*(one(client, p) for p in PROMPTS))
         chat = await client.chat.completions.create(model=SERVED_NAME, max_tokens=3,
                                                     messages=[{"role": "user", "content": "x"}], **GREEDY)
@@ -172,7 +170,8 @@ def test_models_health_version_tokenize(server, client, llm):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
     tok = llm.get_tokenizer()
-    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[2]}).json()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[2]}, headers=auth).json()
     assert r["tokens"] == tok(PROMPTS[2])["input_ids"] and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == 1024
     assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == PROMPTS[2]

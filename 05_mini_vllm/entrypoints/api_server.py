@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -41,8 +42,14 @@ logger = logging.getLogger("mini_vllm")
 _OPEN_PATHS = ("/health", "/version", "/metrics")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _validation_param(err: dict) -> str | None:
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    """The field path of a pydantic error, without the union-member tags it adds
+    ("prompt.list[int]" -> "prompt")."""
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
+        isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x))]
     return ".".join(loc) or None
 
 
@@ -69,7 +76,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
             return error_response(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                                   400, None)
         param = _validation_param(first)
-        msg = "; ".join(f"{_validation_param(e) or 'body'}: {e.get('msg')}" for e in errs[:5])
+        msgs = dict.fromkeys(f"{_validation_param(e) or 'body'}: {e.get('msg')}" for e in errs)
+        msg = "; ".join(list(msgs)[:5])
         return error_response(msg or "invalid request", 400, param)
 
     @app.exception_handler(EngineDeadError)
@@ -149,6 +157,7 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 def run_server(args, engine_kwargs: dict) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, then exit the process with 0."""
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -173,4 +182,9 @@ def run_server(args, engine_kwargs: dict) -> int:
     logger.info("serving %s as %s on http://%s:%d", args.model, names, args.host, args.port)
     _Server(config).run()
     engine.shutdown()
-    return 0
+    # Everything is drained and stopped; skip the interpreter's teardown of torch
+    # and the model, which takes seconds and can only delay the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,96 @@
+"""Bad input: every case gets a 4xx in OpenAI's error shape naming the field,
+and the server keeps serving. The server runs with --api-key."""
+import httpx
+import openai
+import pytest
+
+from server_utils import API_KEY, SERVED_NAME, api_server  # noqa: F401 - a fixture
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def c(**kw):
+    return {"model": SERVED_NAME, "prompt": "def f():", "max_tokens": 4, **kw}
+
+
+def ch(**kw):
+    return {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, **kw}
+
+
+# (id, path, body (dict, or raw bytes), headers, status, param the error must name)
+CASES = [
+    ("malformed-json", CMPL, b'{"prompt": "x", ', AUTH, 400, None),
+    ("malformed-json-chat", CHAT, b"not json at all", AUTH, 400, None),
+    ("body-is-a-list", CMPL, [1, 2], AUTH, 400, None),
+    ("prompt-wrong-type", CMPL, c(prompt=5), AUTH, 400, "prompt"),
+    ("prompt-missing", CMPL, {"model": SERVED_NAME, "max_tokens": 4}, AUTH, 400, "prompt"),
+    ("max_tokens-string", CMPL, c(max_tokens="abc"), AUTH, 400, "max_tokens"),
+    ("max_tokens-negative", CMPL, c(max_tokens=-1), AUTH, 400, "max_tokens"),
+    ("max_tokens-zero", CMPL, c(max_tokens=0), AUTH, 400, "max_tokens"),
+    ("max_tokens-over-context", CMPL, c(max_tokens=5000), AUTH, 400, "max_tokens"),
+    ("temperature-negative", CMPL, c(temperature=-0.5), AUTH, 400, "temperature"),
+    ("top_p-above-1", CMPL, c(top_p=1.5), AUTH, 400, "top_p"),
+    ("top_p-zero", CMPL, c(top_p=0), AUTH, 400, "top_p"),
+    ("n-zero", CMPL, c(n=0), AUTH, 400, "n"),
+    ("top_k-below-minus-1", CMPL, c(top_k=-5), AUTH, 400, "top_k"),
+    ("min_p-above-1", CMPL, c(min_p=2.0), AUTH, 400, "min_p"),
+    ("repetition_penalty-zero", CMPL, c(repetition_penalty=0), AUTH, 400, "repetition_penalty"),
+    ("presence_penalty-too-big", CMPL, c(presence_penalty=3), AUTH, 400, "presence_penalty"),
+    ("logprobs-negative", CMPL, c(logprobs=-1), AUTH, 400, "logprobs"),
+    ("min_tokens-over-max", CMPL, c(min_tokens=9), AUTH, 400, "min_tokens"),
+    ("stop-empty-string", CMPL, c(stop=[""]), AUTH, 400, "stop"),
+    ("seed-not-int", CMPL, c(seed="x"), AUTH, 400, "seed"),
+    ("token-id-out-of-vocab", CMPL, c(prompt=[1, 2, 10 ** 7]), AUTH, 400, "prompt"),
+    ("prompt-over-max_model_len", CMPL, c(prompt="x = 1\n" * 1200), AUTH, 400, "prompt"),
+    ("echo-with-logprobs", CMPL, c(echo=True, logprobs=2), AUTH, 400, "echo"),
+    ("unknown-model", CMPL, c(model="gpt-4"), AUTH, 404, "model"),
+    ("missing-api-key", CMPL, c(), {}, 401, None),
+    ("wrong-api-key", CMPL, c(), {"Authorization": "Bearer nope"}, 401, None),
+    ("chat-empty-messages", CHAT, ch(messages=[]), AUTH, 400, "messages"),
+    ("chat-unknown-role", CHAT, ch(messages=[{"role": "wizard", "content": "x"}]), AUTH, 400,
+     "messages.0.role"),
+    ("chat-messages-not-list", CHAT, ch(messages="hi"), AUTH, 400, "messages"),
+    ("chat-oversize", CHAT, ch(messages=[{"role": "user", "content": "x = 1\n" * 1200}]), AUTH, 400,
+     "messages"),
+    ("chat-top_logprobs-too-many", CHAT, ch(logprobs=True, top_logprobs=30), AUTH, 400, "top_logprobs"),
+    ("chat-top_logprobs-without-logprobs", CHAT, ch(top_logprobs=2), AUTH, 400, "top_logprobs"),
+    ("chat-temperature-negative", CHAT, ch(temperature=-1), AUTH, 400, "temperature"),
+    ("chat-unknown-model", CHAT, ch(model="nope"), AUTH, 404, "model"),
+    ("chat-wrong-api-key", CHAT, ch(), {"Authorization": "Bearer nope"}, 401, None),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10 ** 7]}, {}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,headers,status,param", [c_[1:] for c_ in CASES], ids=[c_[0] for c_ in CASES])
+def test_bad_input_gets_openai_error_shape(api_server, path, body, headers, status, param):
+    kw = {"content": body, "headers": {**headers, "Content-Type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body, "headers": headers}
+    r = httpx.post(api_server.url + path, timeout=30, **kw)
+    assert r.status_code == status, f"expected {status}, got {r.status_code}: {r.text[:300]}"
+    err = r.json().get("error")
+    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, \
+        f"not OpenAI's error shape: {r.text[:300]}"
+    assert err["code"] == status and err["message"]
+    assert err["param"] == param, f"param should name {param!r}: {err}"
+    if param and status == 400 and "." not in param:
+        assert param in err["message"], "the message must name the field"
+
+
+def test_openai_client_raises_typed_errors_and_server_still_serves(api_server):
+    good = openai.OpenAI(base_url=api_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    bad_key = openai.OpenAI(base_url=api_server.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as e:
+        good.completions.create(model=SERVED_NAME, prompt="x", max_tokens=4, top_p=2.0)
+    assert e.value.body["param"] == "top_p" and "(0, 1]" in e.value.body["message"], \
+        "the message must state the allowed range"
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.NotFoundError):
+        good.chat.completions.create(model="missing", messages=USER, max_tokens=2)
+    r = good.completions.create(model=SERVED_NAME, prompt="def f():", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3, "the server must keep serving after bad requests"
+    assert httpx.get(api_server.url + "/health").status_code == 200, "/health needs no key"
+    m = httpx.get(api_server.url + "/metrics").text
+    assert "vllm:kv_cache_usage_perc" in m, "/metrics needs no key"
