@@ -67,7 +67,7 @@ class GlobalCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, kv_transfer_config, role: KVConnectorRole, layout: KVLayout, store,
                  stats: ConnectorStats | None = None) -> None:
-        super().__init__(kv_transfer_config, role)
+        KVConnectorBase_V1.__init__(self, kv_transfer_config, role)  # no super(): exercise.py copies this class
         self.layout, self.store = layout, store
         self.block_size = layout.block_size
         self.fingerprint = layout.fingerprint()
