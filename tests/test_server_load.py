@@ -107,16 +107,21 @@ def test_20_clients_disconnecting_mid_stream_leave_nothing_behind(server):
 def test_sigterm_under_load_exits_cleanly(server):
     """Last in this file: it stops the module's server."""
     s = server
-    short = {"model": SERVED_NAME, "prompt": "def a():", "max_tokens": 6, "temperature": 0, "stream": True,
+    short = {"model": SERVED_NAME, "prompt": "def a():", "max_tokens": 20, "temperature": 0, "stream": True,
              "ignore_eos": True}
     long = dict(short, prompt="def b():", max_tokens=900)
-    results = {}
+    results, started = {}, {}
 
     async def consume(name, body):
+        started[name] = asyncio.Event()
+        lines = results[name] = []
         try:
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
                 async with http.stream("POST", "/v1/completions", json=body) as r:
-                    results[name] = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                    async for ln in r.aiter_lines():
+                        if ln.startswith("data: "):
+                            lines.append(ln)
+                            started[name].set()  # in flight: the server has begun streaming it
         except httpx.HTTPError as e:
             results[name] = e
 
@@ -124,7 +129,8 @@ def test_sigterm_under_load_exits_cleanly(server):
         tasks = [asyncio.create_task(consume("long", long))]
         await asyncio.sleep(0.5)
         tasks += [asyncio.create_task(consume(f"short{i}", short)) for i in range(4)]
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 30)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(s.proc.wait, 30)
