@@ -123,8 +123,11 @@ class Worker:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({dcfg.vocab_size}) must "
                              f"equal the target's ({self.model_config.vocab_size})")
         set_attention_backend(draft, self.attention_backend)
-        return DraftModelDrafter(draft, dcfg, spec.num_speculative_tokens, num_blocks,
-                                 self.config.block_size, self.config.torch_dtype, self.device)
+        # Enough blocks that the draft never runs out before the target: every
+        # token the target holds, plus k lookahead slots and a partial block per request.
+        bs, k = self.config.block_size, spec.num_speculative_tokens
+        num_blocks += self.config.max_num_seqs * (1 + -(-k // bs))
+        return DraftModelDrafter(draft, dcfg, k, num_blocks, bs, self.config.torch_dtype, self.device)
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,207 @@
+"""Speculative decoding inside the engine.
+
+Oracles: the same engine without speculation (greedy tokens must be
+identical; sampled tokens must have the same distribution), a fresh prefill's
+KV (after rejections the cache must hold exactly what a prefill writes), and
+HF's own greedy continuation of the draft model (the drafter's proposals).
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chi2_contingency
+
+from engine_utils import assert_pool_full, make_llm, run_greedy
+from mini_vllm import SamplingParams
+from mini_vllm.tiny_models import load_tiny_tokenizer, model_path
+
+DRAFT = str(model_path("tiny-py-draft"))
+
+
+def spec(method: str, k: int) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def code_prompts():
+    tok = load_tiny_tokenizer()
+    texts = ["def __init__(self, name, value=None):\n        self.name = name\n        self.value = ",
+             "import os\nimport sys\nimport re\nimport ", "for i in range(10):\n    print(i)\nfor j in range(",
+             "class Error(Exception):\n    pass\n\n\nclass "]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_identical_to_no_speculation(method, k, code_prompts):
+    base = run_greedy(make_llm(block_size=8), code_prompts, 24)
+    llm = make_llm(block_size=8, speculative_config=spec(method, k))
+    assert run_greedy(llm, code_prompts, 24) == base, f"{method} k={k} changed greedy tokens"
+    stats = llm.llm_engine.engine_core.spec_decoding_stats()
+    assert stats["num_accepted"] > 0, "no draft was ever accepted: speculation did not run"
+    assert_pool_full(llm)
+
+
+@st.composite
+def spec_workloads(draw):
+    n = draw(st.integers(2, 5))
+    motif = draw(st.lists(st.integers(2, 6000), min_size=2, max_size=6))
+    prompts = []
+    for _ in range(n):
+        reps = draw(st.integers(1, 6))  # repetitive prompts give the n-gram proposer matches
+        tail = draw(st.lists(st.integers(2, 6000), min_size=1, max_size=12))
+        prompts.append(motif * reps + tail if draw(st.booleans()) else tail + motif * reps)
+    max_tokens = draw(st.lists(st.integers(1, 14), min_size=n, max_size=n))
+    plain = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # requests that get no drafts
+    return prompts, max_tokens, plain
+
+
+@settings(max_examples=10)
+@given(spec_workloads(), st.sampled_from(["ngram", "draft_model"]), st.integers(1, 5),
+       st.sampled_from([None, 16]), st.booleans())
+def test_greedy_identical_over_workloads(work, method, k, budget, tiny_kv):
+    """Spec and non-spec requests in one batch, chunked prefill, prefix hits, preemption."""
+    prompts, max_tokens, plain = work
+    sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1 if p else None)
+           for m, p in zip(max_tokens, plain)]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    base = [o.outputs[0].token_ids for o in make_llm(block_size=8, max_model_len=128)
+            .generate(inputs, sps, use_tqdm=False)]
+    kw = dict(block_size=8, max_model_len=128, speculative_config=spec(method, k))
+    if budget:
+        kw["max_num_batched_tokens"] = budget
+    if tiny_kv:
+        kw["num_gpu_blocks_override"] = max(-(-(len(p) + m + k) // 8) for p, m in zip(prompts, max_tokens)) + 1
+    llm = make_llm(**kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(inputs, sps, use_tqdm=False)]
+    assert got == base, f"{method} k={k} budget={budget} tiny_kv={tiny_kv}: greedy tokens changed"
+    assert_pool_full(llm)
+
+
+TOP_K = 50
+
+
+def _first_tokens(llm, prompt, n_req: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=TOP_K, ignore_eos=True)  # t2 can be a draft
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n_req, sp, use_tqdm=False)
+    return torch.tensor([o.outputs[0].token_ids for o in outs])
+
+
+def _homogeneous(a: torch.Tensor, b: torch.Tensor, alpha: float) -> bool:
+    """Two-sample chi-square on the second token, rare tokens pooled."""
+    toks = sorted(set(a[:, 1].tolist()) | set(b[:, 1].tolist()))
+    rows = [[int((x[:, 1] == t).sum()) for t in toks] for x in (a, b)]
+    keep = [j for j in range(len(toks)) if rows[0][j] + rows[1][j] >= 10]
+    other = [sum(r[j] for j in range(len(toks)) if j not in keep) for r in rows]
+    return chi2_contingency([[r[j] for j in keep] + [o] for r, o in zip(rows, other)])[1] >= alpha
+
+
+@torch.no_grad()
+def _draft_agreement_z(samples: torch.Tensor, prompt: list[int]) -> float:
+    """z-score of how often token 2 equals the draft's proposal d(t1).
+
+    Oracle (HF transformers): under the target, P(t2 = d | t1) = p(d | prompt, t1)
+    after temperature 1 and top-k; the count of agreements has mean sum(p_i) and
+    variance sum(p_i (1 - p_i)). Accepting drafts too often pushes z up."""
+    from mini_vllm.tiny_models import load_tiny_model
+
+    target, draft = load_tiny_model("tiny-py-target"), load_tiny_model("tiny-py-draft")
+    p_agree, d_of = {}, {}
+    for t1 in set(samples[:, 0].tolist()):
+        ids = torch.tensor([prompt + [t1]])
+        d = int(draft(ids).logits[0, -1].argmax())
+        logits = target(ids).logits[0, -1].float()
+        kth = logits.topk(TOP_K).values[-1]
+        probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        p_agree[t1], d_of[t1] = float(probs[d]), d
+    p = torch.tensor([p_agree[int(t1)] for t1 in samples[:, 0]])
+    hits = sum(int(row[1]) == d_of[int(row[0])] for row in samples.tolist())
+    return (hits - float(p.sum())) / float((p * (1 - p)).sum().sqrt())
+
+
+def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatch):
+    # Unrelated tokens: the target is uncertain there, so drafts are often rejected
+    # and a sampler that wrongly accepts them shifts the distribution visibly.
+    prompt = list(range(100, 140))
+    n = 400
+    base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
+    llm = make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1))
+    with_spec = _first_tokens(llm, prompt, n, seed=2)
+    stats = llm.llm_engine.engine_core.spec_decoding_stats()
+    assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
+    z_base, z_spec = _draft_agreement_z(base, prompt), _draft_agreement_z(with_spec, prompt)
+    assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
+    assert abs(z_spec) < 4.5, f"with speculation token 2 agrees with the draft too often or too rarely (z={z_spec:.2f})"
+    assert _homogeneous(base, with_spec, 1e-3), "token 2 is distributed differently with speculation"
+    # Power: a sampler that accepts every draft must fail the same checks.
+    from mini_vllm.spec_decode import RejectionSampler
+    from mini_vllm.spec_decode.lossy import accept_always
+
+    monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
+    lossy = _first_tokens(make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1)),
+                          prompt, n, seed=2)
+    z_lossy = _draft_agreement_z(lossy, prompt)
+    assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
+        f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"
+
+
+def _kv_of(llm, rid: str, n: int) -> list[torch.Tensor]:
+    core = llm.llm_engine.engine_core
+    blocks = core.scheduler.kv_cache_manager.get_block_ids(rid)
+    bs = core.config.block_size
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+    out = []
+    for k, v in core.executor.worker.cache_engine.gpu_cache:
+        out.append(torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]))
+    return out
+
+
+def test_rejected_drafts_leave_the_same_kv_as_a_fresh_prefill(code_prompts):
+    prompt = code_prompts[2]
+    llm = make_llm(block_size=8, speculative_config=spec("draft_model", 4))
+    eng = llm.llm_engine
+    eng.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    for _ in range(8):
+        eng.step()
+    stats = eng.engine_core.spec_decoding_stats()
+    assert stats["num_accepted"] < stats["num_drafts"], "no rejection happened; pick another prompt"
+    req = eng.engine_core.scheduler.requests["r"]
+    n = req.num_computed_tokens
+    tokens = list(req.all_token_ids)
+    got = _kv_of(llm, "r", n)
+    fresh = make_llm(block_size=8)
+    fresh.llm_engine.add_request("f", {"prompt_token_ids": tokens[:n + 1]},
+                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    fresh.llm_engine.step()
+    want = _kv_of(fresh, "f", n)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert torch.allclose(g, w, atol=1e-5), f"layer {layer}: KV after rollback differs from a fresh prefill"
+
+
+@pytest.mark.parametrize("cfg, err, match", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, ValueError, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "model"),
+    ({"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2},
+     FileNotFoundError, "draft"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 1},
+     ValueError, "prompt_lookup"),
+    ({"method": "ngram", "k": 2}, ValueError, "unknown"),
+])
+def test_bad_speculative_config(cfg, err, match):
+    with pytest.raises(err, match=match):
+        make_llm(speculative_config=cfg)
+
+
+def test_draft_with_another_vocabulary(tmp_path):
+    from transformers import Qwen3Config, AutoModelForCausalLM
+
+    cfg = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_llm(speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                     "num_speculative_tokens": 2})
