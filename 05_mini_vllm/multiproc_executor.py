@@ -143,6 +143,9 @@ def _shutdown(procs: list, state: dict) -> None:
             destroy_distributed_environment()
         except Exception:
             pass
+        # Every layer shares this coordinator: dropping its groups releases the
+        # store they reference, so the rendezvous port closes now, not at GC.
+        group.device_group = group.cpu_group = None
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -215,7 +218,7 @@ class MultiprocExecutor:
     def _call(self, local, msg, skip_broadcast: bool = False):
         """Broadcast `msg` to ranks > 0, run `local()` here; any failure is fatal."""
         if self._failed:
-            raise RuntimeError(f"the tensor-parallel executor has failed: {self._failed}")
+            raise RuntimeError(f"the tensor-parallel executor cannot run: {self._failed}")
         dead = self._dead_workers()
         try:
             if dead:
@@ -260,6 +263,8 @@ class MultiprocExecutor:
                                f"{self._failed or self._dead_workers()}")
 
     def shutdown(self) -> None:
+        """Stop the workers and leave the group; idempotent. The executor is unusable after."""
+        self._failed = self._failed or "it was shut down"
         self._finalizer()
 
 

@@ -1,0 +1,33 @@
+"""TP = 4 on the trained tiny target (gloo, four CPU processes on whatever cores
+there are): 2 kv heads over 4 ranks, so each kv head is replicated on two
+ranks. Oracle: the TP = 1 engine. One test: four processes are the slow part.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from engine_utils import make_llm, run_greedy
+from tp_utils import wait_no_tp_children
+
+
+def _prompts(vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in (5, 23, 41)]
+
+
+def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
+    prompts = _prompts(6144, 4)
+    ref = run_greedy(make_llm(), prompts, 10)
+    four = make_llm(tensor_parallel_size=4)
+    try:
+        ex = four.llm_engine.engine_core.executor
+        assert ex.collective_rpc(operator.attrgetter("tp_group.rank")) == [0, 1, 2, 3]
+        assert ex.collective_rpc(operator.attrgetter("num_kv_heads")) == [1] * 4, \
+            "2 kv heads over 4 ranks: each rank holds one (replicated) kv head"
+        got = run_greedy(four, prompts, 10)
+    finally:
+        four.shutdown()
+    assert got == ref, "TP = 4 (replicated kv heads) greedy tokens differ from TP = 1"
+    assert not wait_no_tp_children(), "worker process left after shutdown"
