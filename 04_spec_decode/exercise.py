@@ -69,14 +69,18 @@ def rejection_sample_request(draft_token_ids, draft_probs, target_probs, bonus_t
     )
 
 
-def propose_ngram(tokens, min_n, max_n, k):
-    """Prompt lookup: for n = max_n..min_n, find the most recent earlier occurrence of the
-    last n tokens and return up to k tokens that followed it ([] when nothing matches)."""
+def propose_ngram(tokens, min_n, max_n, k, occurrence="earliest"):
+    """Prompt lookup: for n = max_n..min_n, find an earlier occurrence of the last n
+    tokens (the earliest, as vLLM does, or the latest) and return up to k tokens that
+    followed it ([] when nothing matches)."""
     raise NotImplementedError(
         "For n from max_n down to min_n (skip n >= len(tokens)), compare tokens[-n:] with every window "
-        "tokens[i:i+n], i < len(tokens) - n (numpy sliding_window_view keeps this linear); take the largest "
-        "matching i and return tokens[i+n:i+n+k] as a list. k = 0 returns []. Raise ValueError naming "
-        "min_n unless 1 <= min_n <= max_n, and naming k if k < 0."
+        "tokens[i:i+n], i < len(tokens) - n (numpy sliding_window_view keeps this linear); take the "
+        "smallest matching i for occurrence='earliest' (the default; on periodic text the latest match "
+        "is one period back and runs out of context after one period) or the largest for "
+        "occurrence='latest', and return tokens[i+n:i+n+k] as a list. k = 0 returns []. Raise "
+        "ValueError naming min_n unless 1 <= min_n <= max_n, naming k if k < 0, and naming occurrence "
+        "if it is neither 'earliest' nor 'latest'."
     )
 
 

@@ -21,22 +21,32 @@ import torch
 from .sampling import SamplingMetadata, compute_probs, sample_from_probs
 
 
-def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int,
+                  occurrence: str = "earliest") -> list[int]:
     """Prompt-lookup draft for one context.
 
-    For n = max_n down to min_n: find the most recent start i < len - n with
+    For n = max_n down to min_n: find a start i < len - n with
     tokens[i:i+n] == tokens[-n:], and return up to k tokens that followed it,
     tokens[i+n : i+n+k] (fewer if the context ends first). The first n with a
     match wins; no match for any n gives [].
 
-    Cost: vectorised O(len * n) window comparisons per n (numpy), newest
-    windows first, so linear in the context length for the small n used in
-    practice, not quadratic, and much less when the match is recent.
+    `occurrence` picks among several matches of the same n: "earliest" (the
+    smallest i, vLLM's choice in `vllm/v1/spec_decode/ngram_proposer.py`) or
+    "latest" (the largest i). On periodic text the latest match sits one
+    period back, so its continuation runs into the end of the context after a
+    single period: for [7] * 50 and k = 4, "latest" proposes [7] and
+    "earliest" proposes [7, 7, 7, 7].
+
+    Cost: vectorised O(len * n) window comparisons per n (numpy), scanned in
+    geometrically growing chunks from the preferred end, so linear in the
+    context length and much less when a match sits near that end.
     """
     if min_n < 1 or max_n < min_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    if occurrence not in ("earliest", "latest"):
+        raise ValueError(f"occurrence must be 'earliest' or 'latest', got {occurrence!r}")
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
     if k == 0:
@@ -44,18 +54,16 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = arr[length - n :]
         # Candidate starts are 0..length-n-1 (something must follow the match).
-        # Scan them newest first in geometrically growing chunks: a recent match
-        # (the common case in repetitive text) is found after a few hundred
-        # comparisons, and a miss still costs O(length * n) in total.
-        hi, chunk = length - n, 256
-        while hi > 0:
-            lo = max(0, hi - chunk)
-            windows = np.lib.stride_tricks.sliding_window_view(arr[lo : hi + n - 1], n)
+        num_starts, done, chunk = length - n, 0, 256
+        while done < num_starts:
+            size = min(chunk, num_starts - done)
+            lo = done if occurrence == "earliest" else num_starts - done - size
+            windows = np.lib.stride_tricks.sliding_window_view(arr[lo : lo + size + n - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
-                i = lo + int(hits[-1])
+                i = lo + int(hits[0] if occurrence == "earliest" else hits[-1])
                 return arr[i + n : i + n + k].tolist()
-            hi, chunk = lo, chunk * 2
+            done, chunk = done + size, chunk * 2
     return []
 
 

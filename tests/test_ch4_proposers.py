@@ -9,13 +9,14 @@ from strategies import token_id_lists
 VOCAB = 11
 
 
-def brute_force_ngram(tokens, min_n, max_n, k):
-    """Oracle: scan every earlier start, newest first, for n = max_n..min_n."""
+def brute_force_ngram(tokens, min_n, max_n, k, occurrence="earliest"):
+    """Oracle: scan every earlier start (oldest or newest first), for n = max_n..min_n."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
             continue
-        for i in range(length - n - 1, -1, -1):
+        starts = range(length - n) if occurrence == "earliest" else range(length - n - 1, -1, -1)
+        for i in starts:
             if tokens[i:i + n] == tokens[length - n:]:
                 return tokens[i + n:i + n + k]
     return []
@@ -30,14 +31,38 @@ def test_ngram_matches_brute_force(chapter, tokens, min_n, extra, k):
         f"n-gram proposal differs from the brute-force oracle for {tokens} (n {min_n}..{max_n}, k {k})")
 
 
-def test_ngram_prefers_longest_then_most_recent(chapter):
+def test_ngram_prefers_longest_then_earliest(chapter):
     sd = chapter("spec_decode")
     tokens = [1, 2, 3, 9, 2, 3, 7, 5, 2, 3]
-    # n=3 "5 2 3"? no earlier; n=2 "2 3": most recent earlier at index 4 -> follows 7, 5, 2
-    assert sd.propose_ngram(tokens, 1, 3, 3) == [7, 5, 2], "must take the most recent earlier match"
+    # n=3 "5 2 3": no earlier match; n=2 "2 3": earliest at index 1 -> follows 9, 2, 3
+    assert sd.propose_ngram(tokens, 1, 3, 3) == [9, 2, 3], \
+        "must take the earliest match, as vLLM does (the most recent one follows 7, 5, 2)"
+    assert sd.propose_ngram(tokens, 1, 3, 3, occurrence="latest") == [7, 5, 2], \
+        "occurrence='latest' must take the most recent earlier match"
     tokens = [8, 2, 3, 4, 1, 3, 6, 8, 2, 3]
-    assert sd.propose_ngram(tokens, 1, 3, 2) == [4, 1], "a longer n-gram match must win over a more recent shorter one"
+    assert sd.propose_ngram(tokens, 1, 3, 2) == [4, 1], "a longer n-gram match must win over a shorter one"
     assert sd.NgramProposer(1, 3, 2).propose([tokens, [5]]) == [[4, 1], []], "no match gives an empty draft"
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_ngram_on_periodic_text(chapter, period):
+    """On periodic text the latest match is one period back, so its continuation
+    hits the end of the context: it proposes at most `period` tokens. The
+    earliest match proposes all k."""
+    sd = chapter("spec_decode")
+    motif = [7, 4, 9][:period]
+    tokens = motif * (50 // period)
+    want = (tokens * 2)[len(tokens):len(tokens) + 4]  # the text continues periodically
+    assert sd.propose_ngram(tokens, 1, 3, 4) == want, "earliest match must propose k = 4 periodic tokens"
+    latest = sd.propose_ngram(tokens, 1, 3, 4, occurrence="latest")
+    assert latest == want[:period], f"latest match proposes only one period, got {latest}"
+
+
+@given(token_id_lists(vocab_size=3, max_size=30), st.integers(1, 4))
+def test_ngram_latest_matches_brute_force(chapter, tokens, k):
+    sd = chapter("spec_decode")
+    assert list(sd.propose_ngram(tokens, 1, 3, k, occurrence="latest")) == \
+        brute_force_ngram(tokens, 1, 3, k, occurrence="latest")
 
 
 def test_ngram_bad_arguments(chapter):
