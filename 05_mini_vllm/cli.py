@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (processes; one GPU each on CUDA) that split every layer")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +65,8 @@ def _engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args) -> int:
