@@ -8,7 +8,7 @@ Invariants: every function takes the group explicitly (a layer passes the
 group it was built under); with a one-rank group each is the identity and
 returns its input unchanged, without calling `torch.distributed`. Byte
 counters (`COMM_STATS`) record what each rank sent, for the chapter's
-bytes-per-token measurement.
+bytes-per-token measurement; `COMM_CALLS` counts the calls.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from .parallel_state import GroupCoordinator
 
 # op name -> payload bytes this rank contributed (tensor bytes, not wire bytes)
 COMM_STATS: Counter = Counter()
+# op name -> number of calls
+COMM_CALLS: Counter = Counter()
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor, group: GroupCoordinator) -> torch.Tensor:
@@ -30,6 +32,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor, group: GroupCoordinator) -
         return x
     x = x.contiguous()
     COMM_STATS["all_reduce"] += x.numel() * x.element_size()
+    COMM_CALLS["all_reduce"] += 1
     dist.all_reduce(x, group=group.device_group)
     return x
 
@@ -41,6 +44,7 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, group: GroupCoordinator,
         return x
     x = x.contiguous()
     COMM_STATS["all_gather"] += x.numel() * x.element_size()
+    COMM_CALLS["all_gather"] += 1
     parts = [torch.empty_like(x) for _ in range(group.world_size)]
     dist.all_gather(parts, x, group=group.device_group)
     return torch.cat(parts, dim=dim)
@@ -52,6 +56,7 @@ def broadcast_object(obj, group: GroupCoordinator, src: int = 0):
         return obj
     if group.rank == src:
         COMM_STATS["broadcast_object"] += len(pickle.dumps(obj))
+        COMM_CALLS["broadcast_object"] += 1
     box = [obj if group.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=group.cpu_group)
     return box[0]
