@@ -28,6 +28,7 @@ _LAZY = {
     "RequestOutput": "mini_vllm.outputs",
     "CompletionOutput": "mini_vllm.outputs",
     "Logprob": "mini_vllm.outputs",
+    "BeamSearchParams": "mini_vllm.beam_search",
 }
 __all__ = sorted(_LAZY)
 

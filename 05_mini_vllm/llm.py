@@ -57,6 +57,12 @@ class LLM:
             ids.append(rid)
         return self._run_engine(ids, use_tqdm)
 
+    def beam_search(self, prompts, params, use_tqdm: bool = False):
+        """Beam search (vLLM's `LLM.beam_search`); beams share KV blocks
+        copy-on-write. Returns one BeamSearchOutput per prompt, best first."""
+        from mini_vllm.beam_search import run_beam_search
+        return run_beam_search(self.llm_engine, prompts, params)
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True):
         """One conversation (a list of {"role", "content"}) or a list of them."""
