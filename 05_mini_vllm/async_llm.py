@@ -88,49 +88,46 @@ class AsyncLLM:
         return self._thread.is_alive() and self._dead is None
 
     # ------------------------------------------------------------ public API
-    async def generate(self, prompt, sampling_params, request_id: str | None = None, *,
-                       priority: int = 0, output_kind: str = "delta") -> AsyncGenerator[RequestOutput, None]:
-        """Add one request and yield its outputs until the finished one.
+    async def add_request(self, request_id: str | None, prompt, sampling_params, *, priority: int = 0,
+                          output_kind: str = "delta") -> "RequestOutputStream":
+        """Validate and add one request; returns its output stream.
 
-        Raises ValueError (from the engine's input checks) before yielding
-        anything when the request is invalid."""
+        Raises ValueError (the engine's input checks) when the request is invalid;
+        then nothing of it stays in the engine."""
         self._check_alive()
         self._bind_loop()
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q  # registered before the add, so no output can be missed
-        finished = added = False
+        stream = RequestOutputStream(self, rid)
+        self._queues[rid] = stream.queue  # registered before the add, so no output can be missed
         try:
-            try:
-                await self._submit(lambda e: e.add_request(rid, prompt, sampling_params,
-                                                           priority=priority, output_kind=output_kind))
-            except asyncio.CancelledError:
-                added = True  # the add still runs on the engine thread: undo it
-                raise
-            added = True
-            while True:
-                out = await q.get()
-                if out is _ABORTED:
-                    finished = True  # nothing left to abort
-                    return
-                if isinstance(out, EngineDeadError):
-                    raise out
-                if isinstance(out, BaseException):
-                    raise EngineDeadError(f"engine died: {out!r}") from out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
+            await self._submit(lambda e: e.add_request(rid, prompt, sampling_params, priority=priority,
+                                                       output_kind=output_kind))
+        except asyncio.CancelledError:
+            stream.close()  # the add still runs on the engine thread: undo it
+            raise
+        except BaseException:
             self._queues.pop(rid, None)
-            if added and not finished and self._dead is None:
-                self.abort_nowait(rid)  # a client that went away must not keep its blocks
+            raise
+        return stream
+
+    async def generate(self, prompt, sampling_params, request_id: str | None = None, *,
+                       priority: int = 0, output_kind: str = "delta") -> AsyncGenerator[RequestOutput, None]:
+        """Add one request and yield its outputs until the finished one (vLLM's
+        `AsyncLLM.generate`). An invalid request raises ValueError at the first
+        `__anext__`; a consumer that stops early aborts the request."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority,
+                                        output_kind=output_kind)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()  # a client that went away must not keep its blocks
 
     async def abort(self, request_ids) -> None:
         """Abort and wait until the engine has freed the requests' blocks; their
-        `generate()` streams then end without a finished output."""
+        streams then end without a finished output."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self._bind_loop()
         await self._submit(lambda e: e.abort_request(ids))
@@ -262,3 +259,43 @@ class AsyncLLM:
                         len(m.e2e_latencies)]
         for sl in self.stat_loggers:
             sl.record(st)
+
+
+class RequestOutputStream:
+    """The outputs of one request, as an async iterator (vLLM's
+    `RequestOutputCollector`). It ends after the finished output, or silently
+    after `AsyncLLM.abort`; `close()` aborts the request unless it finished."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str) -> None:
+        self.llm, self.request_id = llm, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> "RequestOutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if out is _ABORTED:
+            self._end()
+            raise StopAsyncIteration
+        if isinstance(out, BaseException):
+            self._end()
+            if isinstance(out, EngineDeadError):
+                raise out
+            raise EngineDeadError(f"engine died: {out!r}") from out
+        if out.finished:
+            self._end()
+        return out
+
+    def _end(self) -> None:
+        self.finished = True
+        self.llm._queues.pop(self.request_id, None)
+
+    def close(self) -> None:
+        """Abort the request unless it finished; safe to call more than once."""
+        if not self.finished and self.llm._dead is None:
+            self.llm.abort_nowait(self.request_id)
+        self._end()

@@ -104,6 +104,28 @@ def test_20_clients_disconnecting_mid_stream_leave_nothing_behind(server):
     assert r.status_code == 200, "server must keep serving after the disconnects"
 
 
+def test_non_streamed_clients_that_time_out_are_aborted(server):
+    gen_before = server.metrics()["vllm:generation_tokens_total"]
+    max_tokens = 600
+
+    async def give_up(i, path, body):
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(path, json={"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0,
+                                            "ignore_eos": True, **body})
+
+    async def main():
+        await asyncio.gather(*(give_up(i, "/v1/completions", {"prompt": f"def g{i}():"}) for i in range(3)),
+                             give_up(9, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}))
+
+    asyncio.run(main())
+    m = server.wait_idle(timeout=20)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0, \
+        "a non-streamed request whose client left is still running"
+    generated = m["vllm:generation_tokens_total"] - gen_before
+    assert generated < 4 * max_tokens / 3, f"{generated} tokens: timed-out requests were not aborted"
+
+
 def test_sigterm_under_load_exits_cleanly(server):
     """Last in this file: it stops the module's server."""
     s = server

@@ -36,7 +36,8 @@ from mini_vllm.entrypoints.protocol import (ChatCompletionRequest, CompletionReq
                                             TokenizeRequest)
 from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
-from mini_vllm.entrypoints.serving_engine import OpenAIServingModels, error_response, value_error_response
+from mini_vllm.entrypoints.serving_engine import (ClientDisconnected, OpenAIServingModels, error_response,
+                                                  value_error_response)
 
 logger = logging.getLogger("mini_vllm")
 _OPEN_PATHS = ("/health", "/version", "/metrics")
@@ -51,6 +52,23 @@ def _validation_param(err: dict) -> str | None:
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
         isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x))]
     return ".".join(loc) or None
+
+
+class ApiKeyMiddleware:
+    """401 for /v1 routes without `Authorization: Bearer KEY`. A plain ASGI
+    middleware: it passes `receive` through untouched, so handlers still see
+    the client's disconnect."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization")
+            if auth != self.expected:
+                resp = error_response("Unauthorized: a missing or wrong API key", 401)
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
@@ -80,16 +98,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         msg = "; ".join(list(msgs)[:5])
         return error_response(msg or "invalid request", 400, param)
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(str(exc), 503)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response("Unauthorized: a missing or wrong API key", 401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -108,12 +126,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         return models.list().model_dump()
 
     @app.post("/v1/completions")
-    async def create_completion(req: CompletionRequest):
-        return await completions.create_completion(req)
+    async def create_completion(req: CompletionRequest, raw: Request):
+        return await completions.create_completion(req, raw.is_disconnected)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(req: ChatCompletionRequest):
-        return await chat.create_chat_completion(req)
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        return await chat.create_chat_completion(req, raw.is_disconnected)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

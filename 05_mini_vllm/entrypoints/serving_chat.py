@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             ids = ids["input_ids"]
         return list(ids)
 
-    async def create_chat_completion(self, req: ChatCompletionRequest):
+    async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected=None):
         if (err := self.models.check(req.model)) is not None:
             return err
         try:
@@ -70,19 +70,17 @@ class OpenAIServingChat(OpenAIServing):
                                       "messages")
             params = req.to_sampling_params(default_max_tokens=self.engine.max_model_len - len(ids))
             rid = random_id("chatcmpl")
-            started = await self.start_streams([{"prompt_token_ids": ids}], params, rid,
+            streams = await self.start_streams([{"prompt_token_ids": ids}], params, rid,
                                                "delta" if req.stream else "final_only")
         except ValueError as e:
             return value_error_response(e)
         model = req.model or self.models.names[0]
         if req.stream:
-            return StreamingResponse(self._stream(req, started, rid, model), media_type="text/event-stream")
-        return await self._full(req, started, rid, model)
+            return StreamingResponse(self._stream(req, streams, rid, model), media_type="text/event-stream")
+        return await self._full(req, streams, rid, model, is_disconnected)
 
-    async def _full(self, req, started, rid, model) -> JSONResponse:
-        final = None
-        async for _, out in merge_streams(started):
-            final = out
+    async def _full(self, req, streams, rid, model, is_disconnected) -> JSONResponse:
+        final = (await self.collect_finals(streams, is_disconnected))[0]
         usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids))
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -95,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": model, "choices": choices, "usage": usage.model_dump()})
 
-    async def _stream(self, req, started, rid, model):
+    async def _stream(self, req, streams, rid, model):
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -103,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         usage = UsageInfo()
-        async for _, out in merge_streams(started):
+        async for _, out in merge_streams(streams):
             usage.prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)

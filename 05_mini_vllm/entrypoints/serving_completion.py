@@ -55,7 +55,7 @@ def completion_logprobs(entries, k: int, offset: int, tokenizer) -> dict:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, req: CompletionRequest):
+    async def create_completion(self, req: CompletionRequest, is_disconnected=None):
         if (err := self.models.check(req.model)) is not None:
             return err
         if req.suffix:
@@ -67,28 +67,25 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = _prompts(req.prompt)
             params = req.to_sampling_params(default_max_tokens=16)
             rid = random_id("cmpl")
-            started = await self.start_streams(prompts, params, rid,
+            streams = await self.start_streams(prompts, params, rid,
                                                "delta" if req.stream else "final_only")
         except ValueError as e:
             return value_error_response(e)
         model = req.model or self.models.names[0]
         if req.stream:
-            return StreamingResponse(self._stream(req, started, rid, model), media_type="text/event-stream")
-        return await self._full(req, started, rid, model)
+            return StreamingResponse(self._stream(req, streams, rid, model), media_type="text/event-stream")
+        return await self._full(req, streams, rid, model, is_disconnected)
 
     def _prompt_text(self, out) -> str:
         if out.prompt is not None:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    async def _full(self, req, started, rid, model) -> JSONResponse:
+    async def _full(self, req, streams, rid, model, is_disconnected) -> JSONResponse:
         n = req.n
-        finals = {}
-        async for i, out in merge_streams(started):
-            if out.finished:
-                finals[i] = out
+        finals = await self.collect_finals(streams, is_disconnected)
         choices, usage = [], UsageInfo()
-        for i in range(len(started)):
+        for i in range(len(streams)):
             out = finals[i]
             usage.prompt_tokens += len(out.prompt_token_ids)
             prefix = self._prompt_text(out) if req.echo else ""
@@ -102,13 +99,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": model, "choices": choices, "usage": usage.model_dump()})
 
-    async def _stream(self, req, started, rid, model):
+    async def _stream(self, req, streams, rid, model):
         n, created = req.n, int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
         usage = UsageInfo()
         counted: set[int] = set()
-        async for i, out in merge_streams(started):
+        async for i, out in merge_streams(streams):
             if i not in counted:
                 counted.add(i)
                 usage.prompt_tokens += len(out.prompt_token_ids)

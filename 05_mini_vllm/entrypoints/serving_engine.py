@@ -8,9 +8,11 @@ Invariants:
 - Every error body is `{"error": {"message", "type", "param", "code"}}`;
   `param` names the offending field when the message starts with one
   (the engine's ValueErrors all do: "max_tokens must be ...").
-- `start_streams` returns only after every prompt's first output arrived,
-  so an invalid request is answered with a 4xx status before any SSE byte
-  is sent, and a failing prompt aborts its siblings.
+- `start_streams` returns only after the engine accepted every prompt, so an
+  invalid request is answered with a 4xx status before any SSE byte is sent,
+  and a failing prompt aborts its siblings.
+- A non-streamed request whose client went away is aborted within
+  `DISCONNECT_POLL_S` (a streamed one as soon as a chunk cannot be sent).
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse, ModelCard, 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*) ")
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed the connection before the response was ready."""
 
 
 def error_response(message: str, code: int = 400, param: str | None = None) -> JSONResponse:
@@ -73,37 +80,56 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
 
     async def start_streams(self, prompts, params, request_id: str, output_kind: str):
-        """Start one engine request per prompt; returns [(generator, first output)].
+        """Add one engine request per prompt; returns their output streams.
 
-        Raises the first ValueError after aborting the prompts that started."""
-        gens = [self.engine.generate(p, params, f"{request_id}-{i}", output_kind=output_kind)
-                for i, p in enumerate(prompts)]
-        firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
-        bad = [f for f in firsts if isinstance(f, BaseException)]
+        Raises the first ValueError after aborting the prompts that were added."""
+        added = await asyncio.gather(*(self.engine.add_request(f"{request_id}-{i}", p, params,
+                                                               output_kind=output_kind)
+                                       for i, p in enumerate(prompts)), return_exceptions=True)
+        bad = [a for a in added if isinstance(a, BaseException)]
         if bad:
-            for g, f in zip(gens, firsts):
-                if not isinstance(f, BaseException):
-                    await g.aclose()  # aborts it
+            for a in added:
+                if not isinstance(a, BaseException):
+                    a.close()  # aborts it
             raise bad[0]
-        return list(zip(gens, firsts))
+        return added
+
+    async def collect_finals(self, streams, is_disconnected=None) -> dict:
+        """{prompt index: finished output}; raises ClientDisconnected (after aborting
+        every prompt) when `is_disconnected()` turns true first."""
+        async def collect():
+            return {i: out async for i, out in merge_streams(streams) if out.finished}
+
+        task = asyncio.create_task(collect())
+        while is_disconnected is not None:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await is_disconnected():
+                task.cancel()  # merge_streams' finally aborts every request
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                raise ClientDisconnected()
+        return await task
 
 
-async def merge_streams(started):
-    """Yield (prompt index, output) from several started streams as they come."""
+async def merge_streams(streams):
+    """Yield (prompt index, output) from several request streams as they come.
+    Leaving early (an error, a disconnected client) aborts the unfinished ones."""
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i, gen, first):
+    async def pump(i, stream):
         try:
-            await q.put((i, first))
-            if not first.finished:
-                async for out in gen:
-                    await q.put((i, out))
+            async for out in stream:
+                await q.put((i, out))
             await q.put((i, done))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             await q.put((i, e))
 
-    tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(started)]
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
     left = len(tasks)
     try:
         while left:
@@ -116,10 +142,6 @@ async def merge_streams(started):
                 yield i, item
     finally:
         for t in tasks:
-            t.cancel()  # a disconnected client: each pump's generator aborts its request
-        for (g, _), t in zip(started, tasks):
-            try:
-                await t
-            except BaseException:  # noqa: BLE001 - cancelled pumps
-                pass
-            await g.aclose()
+            t.cancel()
+        for st in streams:
+            st.close()  # aborts what has not finished
