@@ -25,14 +25,24 @@ BODIES = ["def read_lines(path):\n", "class Cache:\n    def __init__(self", "def
           "if __name__ == '__main__':\n"]
 
 
-def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0") -> dict:
+def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
+         speculative: str | None = None) -> dict:
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and robust on a busy machine
     print("mini-vLLM demo: tiny-py-target (5.5M parameters, Qwen3 architecture) on the CPU\n")
+    spec = None
+    if speculative == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 4}
+    elif speculative == "draft":
+        spec = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3}
     eng = LLMEngine.from_engine_args(str(model_path("tiny-py-target")), dtype="float32",
+                                     speculative_config=spec,
                                      max_num_seqs=32, max_num_batched_tokens=256, block_size=16,
                                      kv_cache_memory_bytes=32 << 20)
     prompts = [HEADER + BODIES[i % len(BODIES)] for i in range(num_requests)]
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=0, ignore_eos=True)
+    # No per-request seed: the global generator, seeded once, makes the run
+    # repeatable, and unseeded requests may take drafts when speculation is on.
+    torch.manual_seed(0)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, ignore_eos=True)
     pending = list(enumerate(prompts))
     eng.metrics.start_time = time.monotonic()
     print(f"streaming {stream_id} (its prompt ends with {BODIES[0]!r}):\n" + "-" * 60)
@@ -60,6 +70,12 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0")
             ("KV cache usage (max)", f"{100 * s['kv_cache_usage_max']:.1f}% of "
                                      f"{eng.engine_core.num_gpu_blocks} blocks"),
             ("preemptions", f"{s['num_preemptions']}")]
+    if spec is not None:
+        per_pos = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
+        rows += [("speculative decoding", f"{speculative}, k = {spec['num_speculative_tokens']}"),
+                 ("draft acceptance rate", f"{100 * s['spec_acceptance_rate']:.1f}% "
+                                           f"of {s['spec_num_drafts']} drafts"),
+                 ("acceptance per position", per_pos)]
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
@@ -67,4 +83,9 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0")
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                    help="turn on speculative decoding (n-gram or the tiny draft model)")
+    main(speculative=ap.parse_args().speculative)

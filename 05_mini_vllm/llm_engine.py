@@ -148,4 +148,10 @@ class LLMEngine:
         return outs
 
     def get_stats(self) -> dict:
-        return self.metrics.summary()
+        out = self.metrics.summary()
+        spec = self.engine_core.spec_decoding_stats()
+        if spec is not None:
+            out["spec_acceptance_rate"] = spec["acceptance_rate"]
+            out["spec_acceptance_per_position"] = spec["acceptance_per_position"]
+            out["spec_num_drafts"] = spec["num_drafts"]
+        return out
