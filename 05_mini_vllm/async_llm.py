@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncGenerator, Callable
 
+from mini_vllm.async_stream import ABORTED, EngineDeadError, RequestOutputStream
 from mini_vllm.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
 
@@ -37,13 +38,6 @@ logger = logging.getLogger("mini_vllm")
 # Engine latency lists are trimmed past this length (a server runs for days);
 # the Prometheus histograms have already counted every value.
 _MAX_KEPT_SAMPLES = 100_000
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error, or shutdown); no request can be served."""
-
-
-_ABORTED = object()  # ends the stream of a request aborted through `abort()`
 
 
 @dataclass
@@ -89,7 +83,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ public API
     async def add_request(self, request_id: str | None, prompt, sampling_params, *, priority: int = 0,
-                          output_kind: str = "delta") -> "RequestOutputStream":
+                          output_kind: str = "delta") -> RequestOutputStream:
         """Validate and add one request; returns its output stream.
 
         Raises ValueError (the engine's input checks) when the request is invalid;
@@ -134,7 +128,7 @@ class AsyncLLM:
         for rid in ids:
             q = self._queues.get(rid)
             if q is not None:
-                q.put_nowait(_ABORTED)
+                q.put_nowait(ABORTED)
 
     def abort_nowait(self, request_ids) -> None:
         """Abort without waiting (callable from a generator's finally)."""
@@ -260,42 +254,3 @@ class AsyncLLM:
         for sl in self.stat_loggers:
             sl.record(st)
 
-
-class RequestOutputStream:
-    """The outputs of one request, as an async iterator (vLLM's
-    `RequestOutputCollector`). It ends after the finished output, or silently
-    after `AsyncLLM.abort`; `close()` aborts the request unless it finished."""
-
-    def __init__(self, llm: AsyncLLM, request_id: str) -> None:
-        self.llm, self.request_id = llm, request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> "RequestOutputStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        out = await self.queue.get()
-        if out is _ABORTED:
-            self._end()
-            raise StopAsyncIteration
-        if isinstance(out, BaseException):
-            self._end()
-            if isinstance(out, EngineDeadError):
-                raise out
-            raise EngineDeadError(f"engine died: {out!r}") from out
-        if out.finished:
-            self._end()
-        return out
-
-    def _end(self) -> None:
-        self.finished = True
-        self.llm._queues.pop(self.request_id, None)
-
-    def close(self) -> None:
-        """Abort the request unless it finished; safe to call more than once."""
-        if not self.finished and self.llm._dead is None:
-            self.llm.abort_nowait(self.request_id)
-        self._end()
