@@ -40,6 +40,7 @@ def run_tp(tp: int, n: int = 8, prompt_len: int = 64, max_tokens: int = 32) -> d
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     stats, calls = dict(COMM_STATS), dict(COMM_CALLS)
+    procs = list(getattr(llm.llm_engine.engine_core.executor, "procs", []))
     llm.shutdown()
     forwarded = n * prompt_len + n * (max_tokens - 1)  # the last sampled token is never fed back
     sampled = n * max_tokens
@@ -48,6 +49,7 @@ def run_tp(tp: int, n: int = 8, prompt_len: int = 64, max_tokens: int = 32) -> d
         "tp": tp, "init_s": t_init, "wall_s": wall,
         "out_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
         "tokens": [o.outputs[0].token_ids for o in outs],
+        "worker_exitcodes": [p.exitcode for p in procs],  # 0 each: a clean shutdown
         "allreduce_B_per_tok": stats.get("all_reduce", 0) / forwarded,
         "allreduce_formula": 0 if tp == 1 else (2 * L + 1) * H * 4,
         "gather_B_per_sampled": stats.get("all_gather", 0) / sampled,
