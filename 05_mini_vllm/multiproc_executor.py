@@ -155,6 +155,11 @@ def _shutdown(procs: list, state: dict) -> None:
 class MultiprocExecutor:
     def __init__(self, config) -> None:
         tp = config.tensor_parallel_size
+        if getattr(config, "kv_transfer_config", None) is not None:
+            # The connector reads rank 0's cache only; each rank's blocks would need
+            # their own pool keys (rank in the key), which Chapter 6 does not have yet.
+            raise ValueError("kv_transfer_config must be None when tensor_parallel_size > 1 "
+                             f"(got tensor_parallel_size={tp}): the KV pool is not sharded by rank")
         verify_tensor_parallel_size(ModelConfig.from_json(Path(config.model) / "config.json"), tp)
         self.world_size = tp
         self.procs: list = []

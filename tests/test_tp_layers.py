@@ -193,6 +193,9 @@ def test_invalid_tensor_parallel_size_is_a_clear_value_error(ckpts):
         EngineConfig(model="x", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(model_path("tiny-py-target")), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        LLM(str(model_path("tiny-py-target")), device="cpu", tensor_parallel_size=2,
+            kv_transfer_config={"kv_connector": "x"})
     assert not tp_children(), "a rejected tensor_parallel_size must not start any worker"
     with use_tp_group(GroupCoordinator(rank=0, world_size=2)), \
             pytest.raises(ValueError, match="num_key_value_heads"):
