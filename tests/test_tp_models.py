@@ -40,4 +40,3 @@ def test_random_models_tp2_greedy_identical_to_tp1_and_hf(tmp_path, name):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert got[1] == hf_greedy(hf, prompts[1], 12), f"{name}: TP = 2 greedy differs from HF generate"
     assert not wait_no_tp_children(), "worker process left after shutdown"
-
