@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("GlobalCacheConnector",)
+CONNECTORS = ("GlobalCacheConnector", "PDConnector")
 BACKENDS = ("local", "valkey", "mooncake")
 
 # extra-config key -> (default, description); numbers must be > 0.

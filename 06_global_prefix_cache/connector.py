@@ -107,17 +107,20 @@ class GlobalCacheConnector(KVConnectorBase_V1):
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # never the last token: it must be computed
-        if start >= end:
+        if start * bs >= request.num_tokens - 1:  # nothing left beyond the local hit
             t.fetched, t.fetch_start = [], start
             return 0, False
         have = t.fetched[start - t.fetch_start:] if t.fetch_start <= start else []
         if not have:
             have = self._fetch(t, start, end)
         t.fetched, t.fetch_start = have, start
-        return len(have) * bs, False
+        # Full blocks only here; a P/D subclass may add a partial last block.
+        return min(len(have) * bs, request.num_tokens - 1 - start * bs), False
 
     def _fetch(self, t: _Tracked, start: int, end: int) -> list[torch.Tensor]:
         keys = [self.key(h) for h in self._hashes(t, end)[start:end]]
+        if not keys:
+            return []
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
         try:
@@ -141,14 +144,15 @@ class GlobalCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         t = self._track(request)
-        n = num_external_tokens // self.block_size
+        n = -(-num_external_tokens // self.block_size)  # a partial block counts (P/D)
         if n:
             ids = list(blocks)[t.fetch_start:t.fetch_start + n]
             self._pending_loads[request.request_id] = list(zip(ids, t.fetched[:n]))
             self.stats.external_hit_tokens += num_external_tokens
         # Blocks before this point are already in the store (loaded) or were
         # computed and saved by this engine earlier (local hits).
-        t.num_saved_blocks = max(t.num_saved_blocks, t.fetch_start + n)
+        t.num_saved_blocks = max(t.num_saved_blocks,
+                                 (t.fetch_start * self.block_size + num_external_tokens) // self.block_size)
         t.fetched = []
 
     def build_connector_meta(self, scheduler_output) -> GlobalCacheMetadata:

@@ -44,8 +44,10 @@ class KVConnectorFactory:
     def create_connector(kv_transfer_config, role: KVConnectorRole, layout: KVLayout,
                          store: KVStore | None = None, stats=None) -> GlobalCacheConnector:
         tc = KVTransferConfig.from_dict(kv_transfer_config)
-        return GlobalCacheConnector(tc, role, layout, store if store is not None else make_store(tc),
-                                    stats)
+        cls = GlobalCacheConnector
+        if tc.kv_connector == "PDConnector":
+            from .pd_connector import PDConnector as cls
+        return cls(tc, role, layout, store if store is not None else make_store(tc), stats)
 
 
 def build_connectors(config, worker) -> tuple[GlobalCacheConnector, GlobalCacheConnector]:
