@@ -42,7 +42,6 @@ import os
 import time
 import weakref
 from datetime import timedelta
-
 from pathlib import Path
 
 import torch
@@ -51,40 +50,14 @@ import torch.multiprocessing as mp
 
 from mini_vllm.distributed import (broadcast_object, destroy_distributed_environment,
                                    gather_object, init_distributed_environment)
+from mini_vllm.distributed.parallel_state import (TORCHRUN_ENV_KEYS, torchrun_env,
+                                                  verify_tensor_parallel_size)
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.worker import Worker
 
 logger = logging.getLogger("mini_vllm")
 
 DIST_TIMEOUT_S = float(os.environ.get("MINI_VLLM_DIST_TIMEOUT_S", "60"))
-_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-
-
-def verify_tensor_parallel_size(model_config, tp: int) -> None:
-    """ValueError unless the model's heads and columns split evenly over `tp` ranks."""
-    mc = model_config
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-    h, k = mc.num_attention_heads, mc.num_key_value_heads
-    if tp > h:
-        raise ValueError(f"tensor_parallel_size ({tp}) must be <= num_attention_heads ({h}): "
-                         "every rank needs at least one attention head")
-    if h % tp:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({h})")
-    if (tp % k) if tp >= k else (k % tp):
-        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({k}) must divide "
-                         "one another (kv heads are split, or replicated when tp > kv heads)")
-    if mc.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide intermediate_size "
-                         f"({mc.intermediate_size})")
-
-
-def _torchrun_env() -> dict | None:
-    if all(k in os.environ for k in _ENV_KEYS):
-        return {k: os.environ[k] for k in _ENV_KEYS}
-    return None
-
-
 def _bind(worker, method):
     """A Worker method name, or a picklable function called as fn(worker, *args)."""
     return getattr(worker, method) if isinstance(method, str) else functools.partial(method, worker)
@@ -166,7 +139,7 @@ class MultiprocExecutor:
         self._state: dict = {}  # group and store, owned by the finalizer
         self._failed: str | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._state)
-        env = _torchrun_env()
+        env = torchrun_env()
         if env is not None:
             if int(env["WORLD_SIZE"]) != tp or int(env["RANK"]) != 0:
                 raise ValueError(f"tensor_parallel_size ({tp}) must equal WORLD_SIZE "
@@ -275,9 +248,9 @@ class MultiprocExecutor:
 
 def main() -> None:
     """A remote rank: `RANK=k WORLD_SIZE=N MASTER_ADDR=.. MASTER_PORT=.. python -m mini_vllm.multiproc_executor`."""
-    env = _torchrun_env()
+    env = torchrun_env()
     if env is None:
-        raise SystemExit(f"set {', '.join(_ENV_KEYS)} (torchrun style) to run a remote rank")
+        raise SystemExit(f"set {', '.join(TORCHRUN_ENV_KEYS)} (torchrun style) to run a remote rank")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if rank == 0:
         raise SystemExit("rank 0 is the driver: run LLM(..., tensor_parallel_size=WORLD_SIZE) there")

@@ -20,7 +20,7 @@ from mini_vllm.config import EngineConfig
 from mini_vllm.distributed import GroupCoordinator, use_tp_group
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.models.linear import QKVParallelLinear
-from mini_vllm.multiproc_executor import verify_tensor_parallel_size
+from mini_vllm.distributed.parallel_state import verify_tensor_parallel_size
 from mini_vllm.tiny_models import model_path
 from tp_utils import TP_CONFIGS, load_rank, save_random_checkpoint, tp_children
 

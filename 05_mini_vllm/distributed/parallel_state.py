@@ -10,8 +10,12 @@ Invariants:
 * a layer reads `get_tp_group()` once, in `__init__`, and keeps it: its shard
   shape and its collectives always agree, even if the global group changes
   later (tests build a TP = 1 engine in a process that once held a TP group);
-* with no initialised group, `get_tp_group()` is a one-rank coordinator whose
-  collectives are the identity, so TP = 1 never touches `torch.distributed`;
+* outside `use_tp_group(...)`, `get_tp_group()` is a one-rank coordinator
+  whose collectives are the identity, so TP = 1 never touches
+  `torch.distributed`; `init_distributed_environment` returns the group and
+  never installs it globally (a draft model built later stays whole);
+* `verify_tensor_parallel_size` rejects a size the model cannot split (heads,
+  kv heads, MLP width) with a ValueError before any process starts;
 * the backend is NCCL for CUDA tensors and gloo for CPU tensors, chosen from
   the device; Python objects (a SchedulerOutput) always travel over a gloo
   group (`cpu_group`), as vLLM does, so the broadcast needs no GPU copy.
@@ -19,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,6 +78,35 @@ def use_tp_group(group: GroupCoordinator | None):
         yield _TP
     finally:
         _TP = prev
+
+
+TORCHRUN_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def verify_tensor_parallel_size(model_config, tp: int) -> None:
+    """ValueError unless the model's heads and columns split evenly over `tp` ranks."""
+    mc = model_config
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    h, k = mc.num_attention_heads, mc.num_key_value_heads
+    if tp > h:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be <= num_attention_heads ({h}): "
+                         "every rank needs at least one attention head")
+    if h % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({h})")
+    if (tp % k) if tp >= k else (k % tp):
+        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({k}) must divide "
+                         "one another (kv heads are split, or replicated when tp > kv heads)")
+    if mc.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide intermediate_size "
+                         f"({mc.intermediate_size})")
+
+
+def torchrun_env() -> dict | None:
+    """MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE when all four are set (a multi-machine run)."""
+    if all(k in os.environ for k in TORCHRUN_ENV_KEYS):
+        return {k: os.environ[k] for k in TORCHRUN_ENV_KEYS}
+    return None
 
 
 def backend_for(device) -> str:
