@@ -68,6 +68,9 @@ def test_prompt_forms_list_token_ids_and_echo(client, llm):
     assert by_index[0] == by_index[1] and by_index[2] == by_index[3], "greedy samples of one prompt agree"
     r_ids = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=6, **GREEDY)
     assert r_ids.choices[0].text == by_index[0], "a token-id prompt must give the same text as its string"
+    r_lists = client.completions.create(model=SERVED_NAME, prompt=[ids, ids[:-1]], max_tokens=6, **GREEDY)
+    assert [c.index for c in r_lists.choices] == [0, 1] and r_lists.choices[0].text == by_index[0], \
+        "a list of token-id prompts is one prompt per list"
     r_echo = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=6, echo=True, **GREEDY)
     assert r_echo.choices[0].text == PROMPTS[0] + by_index[0], "echo prepends the prompt"
     texts, _, _ = _stream_text(client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=6,
@@ -133,6 +136,11 @@ def test_logprobs_completions_and_chat(client, llm):
         assert 1 <= len(top) <= 3
         assert tok_lp == pytest.approx(max(top.values())), "greedy token must be the most likely one"
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    streamed = [c.logprobs for ch in client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=5,
+                                                               logprobs=3, stream=True, **GREEDY)
+                for c in ch.choices if c.logprobs is not None]
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [x for s in streamed for x in s.text_offset] == lp.text_offset, "streamed text offsets must continue"
     ch = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
     content = ch.choices[0].logprobs.content
