@@ -19,15 +19,25 @@ def _prompts(vocab: int, seed: int):
 
 def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
     prompts = _prompts(6144, 4)
-    ref = run_greedy(make_llm(), prompts, 10)
-    four = make_llm(tensor_parallel_size=4)
+    one = make_llm(num_gpu_blocks_override=64)  # same pool: same block ids on both engines
+    ref = run_greedy(one, prompts, 10)
+    four = make_llm(tensor_parallel_size=4, num_gpu_blocks_override=64)
     try:
         ex = four.llm_engine.engine_core.executor
         assert ex.collective_rpc(operator.attrgetter("tp_group.rank")) == [0, 1, 2, 3]
         assert ex.collective_rpc(operator.attrgetter("num_kv_heads")) == [1] * 4, \
             "2 kv heads over 4 ranks: each rank holds one (replicated) kv head"
         got = run_greedy(four, prompts, 10)
+        caches = ex.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))
     finally:
         four.shutdown()
     assert got == ref, "TP = 4 (replicated kv heads) greedy tokens differ from TP = 1"
+    full = one.llm_engine.engine_core.executor.worker.cache_engine.gpu_cache
+    for layer, (k, v) in enumerate(full):
+        for r, c in enumerate(caches):
+            kv = r // 2  # ranks 0, 1 read kv head 0; ranks 2, 3 read kv head 1
+            torch.testing.assert_close(c[layer][0], k[:, :, kv:kv + 1], atol=1e-4, rtol=1e-4,
+                                       msg=f"layer {layer} rank {r}: keys are not kv head {kv}'s")
+            torch.testing.assert_close(c[layer][1], v[:, :, kv:kv + 1], atol=1e-4, rtol=1e-4,
+                                       msg=f"layer {layer} rank {r}: values are not kv head {kv}'s")
     assert not wait_no_tp_children(), "worker process left after shutdown"

@@ -203,3 +203,14 @@ def test_invalid_tensor_parallel_size_is_a_clear_value_error(ckpts):
     with use_tp_group(GroupCoordinator(rank=0, world_size=4)), \
             pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         QKVParallelLinear(64, 16, total_num_heads=12, total_num_kv_heads=3)  # 4 ranks, 3 kv heads
+
+
+def test_cli_flag_reaches_the_engine_arguments():
+    from mini_vllm.cli import _engine_kwargs, build_parser
+
+    for argv in (["generate", "--model", "m", "--prompt", "p", "--tensor-parallel-size", "2"],
+                 ["serve", "m", "-tp", "2"]):
+        args = build_parser().parse_args(argv)
+        assert _engine_kwargs(args)["tensor_parallel_size"] == 2, f"{argv[0]}: flag not passed on"
+    assert _engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"])
+                          )["tensor_parallel_size"] == 1
