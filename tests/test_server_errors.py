@@ -52,6 +52,8 @@ CASES = [
     ("chat-unknown-role", CHAT, ch(messages=[{"role": "wizard", "content": "x"}]), AUTH, 400,
      "messages.0.role"),
     ("chat-messages-not-list", CHAT, ch(messages="hi"), AUTH, 400, "messages"),
+    ("chat-image-part", CHAT, ch(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     AUTH, 400, "messages.0.content"),
     ("chat-oversize", CHAT, ch(messages=[{"role": "user", "content": "x = 1\n" * 1200}]), AUTH, 400,
      "messages"),
     ("chat-top_logprobs-too-many", CHAT, ch(logprobs=True, top_logprobs=30), AUTH, 400, "top_logprobs"),

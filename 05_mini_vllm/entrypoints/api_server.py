@@ -102,6 +102,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     async def _gone(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(str(exc), 503)
@@ -144,9 +149,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
             return error_response("give exactly one of prompt and messages", 400, "prompt")
         try:
             if req.messages is not None:
-                ids = chat.render(req.messages, req.add_generation_prompt)
-            else:
-                ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+                ids = await chat.render(req.messages, req.add_generation_prompt)
+            else:  # on the engine thread, like every encode (see OpenAIServingChat.render)
+                ids = await engine.run_on_engine(
+                    lambda e: list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
         except ValueError as e:
             return value_error_response(e)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

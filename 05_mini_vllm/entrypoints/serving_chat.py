@@ -44,17 +44,28 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, models)
         self.chat_template = chat_template
 
-    def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation (ValueError when no template is known)."""
+    async def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation (ValueError when no template is known).
+
+        Encoding runs on the engine thread: a fast tokenizer's encode mutates its
+        padding/truncation state and must not race the engine's own encodes."""
+        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        return await self.engine.run_on_engine(lambda e: self._render(conv, add_generation_prompt))
+
+    def _render(self, conv, add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
         if self.chat_template is None and getattr(tok, "chat_template", None) is None:
             raise ValueError("messages cannot be rendered: the tokenizer has no chat_template; "
                              "start the server with --chat-template")
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
-        ids = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=True,
-                                      add_generation_prompt=add_generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            ids = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:  # e.g. a template that raises on a role order it rejects
+            raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -63,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         if (err := self.models.check(req.model)) is not None:
             return err
         try:
-            ids = self.render(req.messages, req.add_generation_prompt)
+            ids = await self.render(req.messages, req.add_generation_prompt)
             if len(ids) >= self.engine.max_model_len:
                 return error_response(f"messages render to {len(ids)} tokens; the prompt must be "
                                       f"shorter than max_model_len ({self.engine.max_model_len})", 400,
