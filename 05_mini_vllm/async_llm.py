@@ -14,8 +14,11 @@ Invariants:
   outputs to the loop with one `call_soon_threadsafe` per step.
 - A command is applied before the next `step()`, so `await abort(id)`
   returns with the request's KV blocks already back in the pool.
-- A `generate()` consumer that stops early (a disconnected client, a
-  cancelled task) aborts its request in its `finally`.
+- `add_request` returns only once the engine accepted the request (or
+  raised its ValueError), so a server can answer 400 before streaming. Its
+  `RequestOutputStream` ends after the finished output; a consumer that
+  stops early (a disconnected client, a cancelled task) aborts the request
+  through `close()`, which `generate()` calls in its `finally`.
 - If `step()` raises, the engine is dead: every stream and every later call
   raises `EngineDeadError` instead of hanging.
 """
