@@ -22,7 +22,8 @@ BACKENDS = ("local", "valkey", "mooncake")
 # extra-config key -> (default, description); numbers must be > 0.
 EXTRA_DEFAULTS: dict[str, object] = {
     "backend": "local",            # one of BACKENDS
-    "url": None,                   # redis:// URL (backend "valkey") or mooncake master address
+    "url": None,                   # redis:// URL (backend "valkey") or mooncake master host:port
+    "metadata_server": None,       # mooncake only: its metadata server URL
     "pool_name": "default",        # in-process pools with one name are one pool
     "capacity_bytes": 256 << 20,   # byte budget of the in-process LRU pool
     "timeout_s": 0.5,              # bound on one store call (lookup, load, save)
@@ -68,6 +69,9 @@ class KVTransferConfig:
                 ("redis://", "rediss://", "unix://")):
             raise ValueError("kv_connector_extra_config['url'] must be a redis://, rediss:// or "
                              f"unix:// URL for backend 'valkey', got {merged['url']!r}")
+        if merged["backend"] == "mooncake" and not (merged["url"] and merged["metadata_server"]):
+            raise ValueError("kv_connector_extra_config['url'] (master host:port) and "
+                             "['metadata_server'] are required for backend 'mooncake'")
         self.extra = merged
 
     @classmethod

@@ -28,7 +28,7 @@ def make_store(tc: KVTransferConfig) -> KVStore:
         from .valkey_store import ValkeyStore
         return ValkeyStore(ex["url"], ex["timeout_s"], ex["retry_interval_s"])
     from .mooncake_store import MooncakeStore
-    return MooncakeStore(ex["url"], ex["timeout_s"])
+    return MooncakeStore(ex["url"], ex["metadata_server"], int(ex["capacity_bytes"]))
 
 
 def layout_for(config, model_config, tp_rank: int = 0, model_id: str | None = None) -> KVLayout:
