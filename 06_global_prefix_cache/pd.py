@@ -61,13 +61,27 @@ def _serve(model: str, engine_args: dict, conn) -> None:
 
 
 class EngineProcess:
-    def __init__(self, model: str, **engine_args) -> None:
+    """One engine in a spawned process. `wait=False` returns at once (start
+    several engines in parallel, then call `wait_ready` on each)."""
+
+    def __init__(self, model: str, wait: bool = True, **engine_args) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(str(model), engine_args, child), daemon=True)
         self.proc.start()
-        kind, _ = self.conn.recv()
-        assert kind == "ready"
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> "EngineProcess":
+        if not self._ready:
+            if not self.conn.poll(timeout_s):
+                raise RuntimeError(f"engine process {self.proc.pid} did not start in {timeout_s} s")
+            kind, _ = self.conn.recv()
+            if kind != "ready":
+                raise RuntimeError(f"engine process sent {kind!r} before 'ready'")
+            self._ready = True
+        return self
 
     def submit(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         self.conn.send(("add", rid, list(prompt), int(max_tokens)))

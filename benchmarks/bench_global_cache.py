@@ -99,8 +99,9 @@ def pd_itl() -> None:
         def tc(role):
             return {"kv_connector": "PDConnector", "kv_role": role,
                     "kv_connector_extra_config": {"backend": "valkey", "url": srv.url}}
-        pre = EngineProcess(path, kv_transfer_config=tc("kv_producer"), **base)
+        pre = EngineProcess(path, wait=False, kv_transfer_config=tc("kv_producer"), **base)
         dec = EngineProcess(path, kv_transfer_config=tc("kv_consumer"), **base)
+        pre.wait_ready()
         run_requests([("warm", [5] * 16, 2, 0.0)], prefill=pre, decode=dec)
         p_res = run_requests(reqs, prefill=pre, decode=dec)
         pre.stop()

@@ -217,3 +217,10 @@ def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference):
     assert a.llm_engine.engine_core.scheduler.num_preemptions > 0, "the test should preempt"
     assert_pool_full(a)
     assert_pool_full(b)
+
+
+def test_bad_kv_transfer_config_through_the_engine():
+    with pytest.raises(ValueError, match="kv_role"):
+        make_llm(kv_transfer_config={"kv_role": "kv_sender"})
+    with pytest.raises(ValueError, match="kv_transfer_config must be a dict"):
+        make_llm(kv_transfer_config="GlobalCacheConnector")

@@ -23,9 +23,9 @@ def pd_pair():
     srv = ValkeyServerProcess().start()
     p = d = None
     try:
-        p = EngineProcess(target_path(), kv_transfer_config=tc(srv.url, "kv_producer"), **BASE)
-        d = EngineProcess(target_path(), kv_transfer_config=tc(srv.url, "kv_consumer"), **BASE)
-        yield p, d
+        p = EngineProcess(target_path(), wait=False, kv_transfer_config=tc(srv.url, "kv_producer"), **BASE)
+        d = EngineProcess(target_path(), wait=False, kv_transfer_config=tc(srv.url, "kv_consumer"), **BASE)
+        yield p.wait_ready(), d.wait_ready()  # started in parallel
     finally:
         for e in (p, d):
             if e is not None:
