@@ -144,7 +144,7 @@ class AsyncLLM:
         return await self._submit(fn)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and stop the engine thread."""
+        """Abort everything in flight, stop the engine thread and the engine's workers."""
         if self._stopped:
             return
         self._stopped = True
@@ -242,6 +242,7 @@ class AsyncLLM:
             logger.info("shutdown: aborting %d request(s) in flight", len(ids))
             eng.abort_request(ids)
         self._record_stats()
+        eng.shutdown()  # worker processes of tensor parallelism, if any
         self._call_loop(self._fail_all, EngineDeadError("the engine was shut down"))
 
     def _record_stats(self) -> None:
