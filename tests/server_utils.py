@@ -87,9 +87,21 @@ class Server:
         return self.proc.returncode
 
 
+_shared: dict = {"server": None, "users": 0}
+
+
 @pytest.fixture(scope="session")
 def api_server():
-    """One server for the API and error tests, with --api-key API_KEY."""
-    s = Server("--api-key", API_KEY)
-    yield s
-    s.stop()
+    """One server for the API and error tests, with --api-key API_KEY.
+
+    Each test module that imports this fixture gets its own session-scoped
+    instance, so the process is shared through a reference count: started by
+    the first module that asks, stopped when the last one is finalized."""
+    if _shared["server"] is None:
+        _shared["server"] = Server("--api-key", API_KEY)
+    _shared["users"] += 1
+    yield _shared["server"]
+    _shared["users"] -= 1
+    if _shared["users"] == 0:
+        _shared["server"].stop()
+        _shared["server"] = None
