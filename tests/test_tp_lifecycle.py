@@ -1,9 +1,8 @@
-"""Tensor-parallel worker processes: start, fail, stop, across a torchrun-style
-rendezvous.
+"""Tensor-parallel worker processes: start, stop, across a torchrun-style
+rendezvous (failures: test_tp_failures.py).
 
-A killed worker must make the engine raise within a bounded time (no hang);
-`LLM.shutdown()`, garbage collection of the engine, and every failure must
-leave no worker process and free the rendezvous port. The multi-machine path
+`LLM.shutdown()` and garbage collection of the engine must leave no worker
+process and free the rendezvous port. The multi-machine path
 (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE) runs here on loopback with a
 rank started as `python -m mini_vllm.multiproc_executor`.
 """
@@ -11,16 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from engine_utils import greedy, make_llm, run_greedy
+from engine_utils import make_llm, run_greedy
 from tp_utils import wait_no_tp_children
 
 PROMPTS = [[11, 12, 13, 14, 15] * 4, [200, 300, 400]]
@@ -63,33 +60,6 @@ def test_garbage_collected_engine_stops_its_workers():
     while procs[0].is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not procs[0].is_alive(), "worker outlived the garbage-collected engine"
-
-
-def test_killed_worker_fails_fast_with_a_clear_error():
-    """SIGKILL lands while the driver is stepping (likely inside a collective)."""
-    llm = make_llm(tensor_parallel_size=2)
-    eng = llm.llm_engine
-    for i, p in enumerate(PROMPTS * 4):
-        eng.add_request(str(i), {"prompt_token_ids": p}, greedy(400))
-    eng.step()
-    pid = eng.engine_core.executor.procs[0].pid
-    killed_at = []
-
-    def kill():
-        killed_at.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
-
-    killer = threading.Timer(0.5, kill)
-    killer.start()
-    with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\) died"):
-        while eng.has_unfinished_requests():
-            eng.step()
-    killer.join()
-    assert killed_at, "the workload finished before the kill: make it longer"
-    assert time.monotonic() - killed_at[0] < 20, "the engine took too long to notice a dead worker"
-    with pytest.raises(RuntimeError, match="rank 1"):
-        eng.step()  # stays failed, answers at once
-    assert not wait_no_tp_children()
 
 
 def test_torchrun_style_environment_on_loopback(monkeypatch):

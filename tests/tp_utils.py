@@ -6,13 +6,15 @@ import multiprocessing
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from mini_vllm.distributed import GroupCoordinator, use_tp_group
 from mini_vllm.models import load_model
 
 
-def _tiny(cls, **kw):
+def _tiny(name, **kw):
+    import transformers  # imported here: workers import this module for `fail_on_rank`
+
+    cls = getattr(transformers, name)
     # vocab 97 is prime: the vocab-parallel tables need padding for every tp > 1
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6)
@@ -22,16 +24,18 @@ def _tiny(cls, **kw):
 
 # name -> config factory. qwen2 has ONE kv head: with tp = 2 or 4 it is replicated.
 TP_CONFIGS = {
-    "llama-gqa2-untied": lambda: _tiny(LlamaConfig, num_attention_heads=4, num_key_value_heads=2,
+    "llama-gqa2-untied": lambda: _tiny("LlamaConfig", num_attention_heads=4, num_key_value_heads=2,
                                        tie_word_embeddings=False),
-    "qwen2-kv1-tied": lambda: _tiny(Qwen2Config, num_attention_heads=4, num_key_value_heads=1,
+    "qwen2-kv1-tied": lambda: _tiny("Qwen2Config", num_attention_heads=4, num_key_value_heads=1,
                                     tie_word_embeddings=True),
-    "qwen3-mha-bias-untied": lambda: _tiny(Qwen3Config, num_attention_heads=4, num_key_value_heads=4,
+    "qwen3-mha-bias-untied": lambda: _tiny("Qwen3Config", num_attention_heads=4, num_key_value_heads=4,
                                            head_dim=32, attention_bias=True, tie_word_embeddings=False),
 }
 
 
 def save_random_checkpoint(name: str, path, seed: int):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(TP_CONFIGS[name]())
     with torch.no_grad():  # norms start at 1; random ones make a wrong norm visible
@@ -59,3 +63,10 @@ def wait_no_tp_children(timeout: float = 20.0) -> list:
     while tp_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     return tp_children()
+
+
+def fail_on_rank(worker, rank: int) -> int:
+    """For `collective_rpc`: raise inside rank `rank`'s worker process only."""
+    if worker.tp_group.rank == rank:
+        raise RuntimeError(f"injected failure on rank {rank}")
+    return worker.tp_group.rank
