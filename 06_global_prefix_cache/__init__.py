@@ -3,6 +3,8 @@
 A KV connector (vLLM's `KVConnectorBase_V1` interface) lets an engine load
 KV blocks that another engine computed, from a store shared by all of them:
 an in-process LRU pool, a Valkey/Redis server, or (optionally) Mooncake Store.
+`PDConnector` hands whole prompts from a prefill engine to a decode engine
+(prefill/decode disaggregation; processes and proxy in `pd.py`).
 """
 from .base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from .config import KV_ROLES, KVTransferConfig
@@ -10,6 +12,7 @@ from .connector import GlobalCacheConnector, GlobalCacheMetadata
 from .factory import KVConnectorFactory, build_connectors, layout_for, make_store
 from .keys import KVLayout, block_key, model_content_id
 from .local_pool import LocalLRUPool, drop_local_pool, get_local_pool
+from .pd_connector import PDConnector
 from .serde import CorruptBlockError, pack_block, unpack_block
 from .stats import ConnectorStats
 from .store import KVStore, StoreUnavailable
@@ -19,5 +22,5 @@ __all__ = [
     "GlobalCacheConnector", "GlobalCacheMetadata", "KVConnectorFactory", "build_connectors",
     "layout_for", "make_store", "KVLayout", "block_key", "model_content_id", "LocalLRUPool",
     "drop_local_pool", "get_local_pool", "CorruptBlockError", "pack_block", "unpack_block",
-    "ConnectorStats", "KVStore", "StoreUnavailable",
+    "ConnectorStats", "KVStore", "StoreUnavailable", "PDConnector",
 ]

@@ -62,8 +62,8 @@ def unpack_block(key: str, data: bytes, layout: KVLayout) -> torch.Tensor:
                                 f"the layout ({layout.dtype}, {expect} bytes)")
     if digest != _key_digest(key):
         raise CorruptBlockError(f"value of {key} was written for another key (foreign value)")
-    body = bytes(data[:-_SUM])
-    if hashlib.blake2b(body, digest_size=_SUM).digest() != bytes(data[-_SUM:]):
+    mv = memoryview(data)  # no copies until the one writable buffer the tensor needs
+    if hashlib.blake2b(mv[:-_SUM], digest_size=_SUM).digest() != bytes(mv[-_SUM:]):
         raise CorruptBlockError(f"value of {key}: checksum mismatch (corrupted bytes)")
-    raw = torch.frombuffer(bytearray(body[_HEADER.size:]), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(mv[_HEADER.size:-_SUM]), dtype=torch.uint8)
     return raw.view(layout.torch_dtype).reshape(layout.block_shape)
