@@ -147,8 +147,9 @@ def test_fork_shares_prompt_blocks(llm):
     assert peak < 12 * 2, f"n=4 held {peak} blocks at peak: the prompt blocks were not shared"
 
 
-def test_seeded_request_is_batch_invariant(llm):
-    sp = SamplingParams(max_tokens=10, temperature=0.8, top_k=50, seed=1234, ignore_eos=True)
+@pytest.mark.parametrize("filters", [dict(top_k=50), dict(), dict(top_p=0.9)])
+def test_seeded_request_is_batch_invariant(llm, filters):
+    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=1234, ignore_eos=True, **filters)
     alone = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),

@@ -1,0 +1,97 @@
+"""Chapter 5 mutants: classic engine mistakes planted in the reference.
+
+Each must make the listed Chapter 5 tests fail within 60 s; the fast
+exercise tests (runner inputs, sampler filters) come first where they apply.
+"""
+from mutants.core import Mutant
+
+PREP = "05_mini_vllm/prepare_inputs.py"
+OPS = "05_mini_vllm/ops_topk_topp.py"
+RUNNER = "05_mini_vllm/model_runner.py"
+INPUTS = ["tests/test_ch5_prepare_inputs.py"]
+FILTERS = ["tests/test_ch5_sampler_filters.py"]
+API = ["tests/test_ch5_engine_api.py"]
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        name="positions_from_zero",
+        path=PREP,
+        old="return np.asarray(num_computed_tokens, dtype=np.int64)[req_indices] + offsets",
+        new="return offsets",
+        tests=INPUTS,
+        why="positions restart at 0 for every step instead of at num_computed_tokens",
+    ),
+    Mutant(
+        name="query_start_off_by_one",
+        path=PREP,
+        old="np.cumsum(num_scheduled_tokens, out=out[1:])",
+        new="np.cumsum(num_scheduled_tokens, out=out[1:]); out[1:] -= 1",
+        tests=INPUTS,
+        why="query start locations one row early: each request loses its last token",
+    ),
+    Mutant(
+        name="slot_block_from_offset",
+        path=PREP,
+        old="block_table[req_indices, positions // block_size]",
+        new="block_table[req_indices, positions % block_size]",
+        tests=INPUTS,
+        why="the batch slot mapping looks up the block with pos % B",
+    ),
+    Mutant(
+        name="min_p_absolute",
+        path=OPS,
+        old="return logits.masked_fill(logits < row_max + log_min_p.unsqueeze(1), float(\"-inf\"))",
+        new="return logits.masked_fill(logits - logits.logsumexp(-1, keepdim=True) < log_min_p.unsqueeze(1), "
+            "float(\"-inf\"))",
+        tests=FILTERS,
+        why="min_p compared with the absolute probability, not relative to the top token's",
+    ),
+    Mutant(
+        name="top_k_drops_kth",
+        path=OPS,
+        old="masked = logits.masked_fill(logits < kth, float(\"-inf\"))",
+        new="masked = logits.masked_fill(logits <= kth, float(\"-inf\"))",
+        tests=FILTERS,
+        why="top-k keeps k - 1 tokens: the k-th largest (and its ties) dropped",
+    ),
+    Mutant(
+        name="seeded_row_uses_global_rng",
+        path=OPS,
+        old="noise[i].exponential_(generator=g)",
+        new="noise[i].exponential_()",
+        tests=["tests/test_ch5_sampler.py", "tests/test_ch5_engine_api.py"],
+        why="a seeded request draws from the global generator, so its tokens depend on the batch",
+    ),
+    Mutant(
+        name="logits_from_first_token",
+        path=RUNNER,
+        old="end = int(query_start_loc[i + 1])",
+        new="end = int(query_start_loc[i]) + 1",
+        tests=API,
+        why="a prefill samples from its first token's logits instead of its last token's",
+    ),
+    Mutant(
+        name="cow_table_not_sent",
+        path="03_scheduler/step.py",
+        old="replace = resumed or rid in cow",
+        new="replace = resumed",
+        tests=API,
+        why="after copy-on-write the runner keeps writing into the shared block (forked samples corrupt each other)",
+    ),
+    Mutant(
+        name="stop_string_streamed_early",
+        path="05_mini_vllm/detokenizer.py",
+        old="self.hold = 0 if self.include_stop or not self.stop else max(map(len, self.stop)) - 1",
+        new="self.hold = 0",
+        tests=API,
+        why="streaming sends characters that later turn out to start a stop string",
+    ),
+    Mutant(
+        name="spec_rows_shifted",
+        path=RUNNER,
+        old="(spec_rows.extend(range(row, row + k + 1)) if k else plain_rows.append(row))",
+        new="(spec_rows.extend(range(row + 1, row + k + 2)) if k else plain_rows.append(row))",
+        tests=["tests/test_ch5_spec_decode.py::test_greedy_identical_to_no_speculation"],
+        why="drafts verified against the logits of the next position: accepted tokens the target would not emit",
+    ),
+]
