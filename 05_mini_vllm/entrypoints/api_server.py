@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 import mini_vllm
 from mini_vllm.async_llm import AsyncLLM, EngineDeadError
@@ -40,9 +40,7 @@ from mini_vllm.entrypoints.serving_engine import (ClientDisconnected, OpenAIServ
                                                   value_error_response)
 
 logger = logging.getLogger("mini_vllm")
-_OPEN_PATHS = ("/health", "/version", "/metrics")
-
-
+# pydantic adds these union-member names to an error's location; they are not fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
