@@ -6,16 +6,16 @@ an in-process LRU pool, a Valkey/Redis server, or (optionally) Mooncake Store.
 `PDConnector` hands whole prompts from a prefill engine to a decode engine
 (prefill/decode disaggregation; processes and proxy in `pd.py`).
 """
-from .base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from .config import KV_ROLES, KVTransferConfig
-from .connector import GlobalCacheConnector, GlobalCacheMetadata
-from .factory import KVConnectorFactory, build_connectors, layout_for, make_store
-from .keys import KVLayout, block_key, model_content_id
-from .local_pool import LocalLRUPool, drop_local_pool, get_local_pool
-from .pd_connector import PDConnector
-from .serde import CorruptBlockError, pack_block, unpack_block
-from .stats import ConnectorStats
-from .store import KVStore, StoreUnavailable
+from mini_vllm.global_cache.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from mini_vllm.global_cache.config import KV_ROLES, KVTransferConfig
+from mini_vllm.global_cache.connector import GlobalCacheConnector, GlobalCacheMetadata
+from mini_vllm.global_cache.factory import KVConnectorFactory, build_connectors, layout_for, make_store
+from mini_vllm.global_cache.keys import KVLayout, block_key, model_content_id
+from mini_vllm.global_cache.local_pool import LocalLRUPool, drop_local_pool, get_local_pool
+from mini_vllm.global_cache.pd_connector import PDConnector
+from mini_vllm.global_cache.serde import CorruptBlockError, pack_block, unpack_block
+from mini_vllm.global_cache.stats import ConnectorStats
+from mini_vllm.global_cache.store import KVStore, StoreUnavailable
 
 __all__ = [
     "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KV_ROLES", "KVTransferConfig",
