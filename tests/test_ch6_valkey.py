@@ -145,7 +145,16 @@ def test_slow_server_falls_back_within_the_timeout(fresh, reference):
     blocker = threading.Thread(
         target=lambda: redis.Redis.from_url(fresh.url).execute_command("DEBUG", "SLEEP", "2"))
     blocker.start()
-    time.sleep(0.2)  # the server is now busy for ~2 s
+    probe = redis.Redis.from_url(fresh.url, socket_timeout=0.05)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # wait until the server is really stalled
+        try:
+            probe.ping()
+            time.sleep(0.02)
+        except redis.exceptions.TimeoutError:
+            break
+    else:
+        pytest.fail("DEBUG SLEEP did not stall the server")
     t0 = time.monotonic()
     out = run_greedy(b, [p], 2)
     elapsed = time.monotonic() - t0
