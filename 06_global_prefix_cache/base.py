@@ -19,8 +19,9 @@ object returned by `build_connector_meta`, attached to the SchedulerOutput,
 so the two sides could live in different processes.
 
 Invariants every implementation keeps:
-* external tokens never include a request's last prompt token (it must be
-  computed to sample from it) and are a whole number of blocks;
+* external tokens never include a request's last token (it must be computed
+  to sample from it) and are a whole number of blocks, except for a P/D
+  hand-off, which may end with a partial block (`pd_connector.py`);
 * only full blocks are saved (Chapter 2's rule: a partial block's content
   still changes);
 * after `start_load_kv` returns, every block the metadata asked to load holds

@@ -1,8 +1,8 @@
 """The in-process KV pool: an LRU of block values under a byte budget.
 
-vLLM counterpart: LMCache's local CPU backend (`LocalCPUBackend`, used through
-`lmcache_connector.py`) and vLLM's own CPU offloading
-(`vllm/v1/kv_offload/cpu.py` with its LRU policy).
+vLLM counterpart: LMCache's local CPU backend (used through
+`lmcache_connector.py`) and vLLM's own CPU offloading (`vllm/v1/kv_offload/`,
+with an LRU policy).
 
 Invariants:
 * `used_bytes` = sum of the stored values' lengths <= `capacity_bytes`;
