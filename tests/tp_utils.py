@@ -38,10 +38,12 @@ def save_random_checkpoint(name: str, path, seed: int):
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(TP_CONFIGS[name]())
-    with torch.no_grad():  # norms start at 1; random ones make a wrong norm visible
+    with torch.no_grad():  # norms start at 1 and biases at 0: random ones make misuse visible
         for pname, p in hf.named_parameters():
             if "norm" in pname:
                 p.uniform_(0.5, 1.5)
+            elif pname.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     hf.save_pretrained(path)
     return path
 
