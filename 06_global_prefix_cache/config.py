@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("GlobalCacheConnector", "PDConnector")
-BACKENDS = ("local", "valkey", "mooncake")
+BACKENDS = ("local", "valkey", "mooncake", "p2p")
 
 # extra-config key -> (default, description); numbers must be > 0.
 EXTRA_DEFAULTS: dict[str, object] = {
     "backend": "local",            # one of BACKENDS
     "url": None,                   # redis:// URL (backend "valkey") or mooncake master host:port
     "metadata_server": None,       # mooncake only: its metadata server URL
+    "p2p_rank": None,              # p2p only: 0 = producer (sends), 1 = consumer (receives)
     "pool_name": "default",        # in-process pools with one name are one pool
     "capacity_bytes": 256 << 20,   # byte budget of the in-process LRU pool
     "timeout_s": 0.5,              # bound on one store call (lookup, load, save)
@@ -72,6 +73,11 @@ class KVTransferConfig:
         if merged["backend"] == "mooncake" and not (merged["url"] and merged["metadata_server"]):
             raise ValueError("kv_connector_extra_config['url'] (master host:port) and "
                              "['metadata_server'] are required for backend 'mooncake'")
+        if merged["backend"] == "p2p" and (merged["p2p_rank"] not in (0, 1) or not str(
+                merged["url"] or "").startswith("tcp://")):
+            raise ValueError("backend 'p2p' needs kv_connector_extra_config['p2p_rank'] in {0, 1} "
+                             f"and a tcp:// rendezvous 'url', got {merged['p2p_rank']!r} and "
+                             f"{merged['url']!r}")
         self.extra = merged
 
     @classmethod

@@ -27,6 +27,9 @@ def make_store(tc: KVTransferConfig) -> KVStore:
     if ex["backend"] == "valkey":
         from .valkey_store import ValkeyStore
         return ValkeyStore(ex["url"], ex["timeout_s"], ex["retry_interval_s"])
+    if ex["backend"] == "p2p":
+        from .p2p_store import P2PStore
+        return P2PStore(ex["url"], ex["p2p_rank"], int(ex["capacity_bytes"]))
     from .mooncake_store import MooncakeStore
     return MooncakeStore(ex["url"], ex["metadata_server"], int(ex["capacity_bytes"]))
 

@@ -15,9 +15,11 @@ The partial block's key is the chain hash of its tokens so far (Chapter 2's
 `hash_block_tokens` accepts any count, and encodes it), so it names exactly
 the KV of those positions and never collides with the full block.
 
-This is the *pull* variant (seed 002 §7.3: the decode side fetches at
-admission); vLLM's Mooncake connector instead has the prefill node push into
-the decode node's blocks. Invariant: a decode request whose whole prompt was
+Through a shared store this is the *pull* variant (seed 002 §7.3: the decode
+side fetches at admission); with the `p2p` backend (`p2p_store.py`) the
+prefill engine pushes the blocks to the decode engine with torch.distributed
+send/recv, as vLLM's p2p_nccl connector does, and the decode engine reads
+them from its receive buffer. Invariant: a decode request whose whole prompt was
 published computes exactly one token in its first step (the first generated
 token, the last token of its own prompt), and no token of the prompt.
 """

@@ -1,6 +1,7 @@
 """Chapter 6 prefill/decode disaggregation: a prefill engine (kv_producer) and
-a decode engine (kv_consumer) in two processes, a real Valkey server between
-them, and the proxy of `mini_vllm.global_cache.pd`. Oracle: one engine
+a decode engine (kv_consumer) in two processes behind the proxy of
+`mini_vllm.global_cache.pd`, the KV sent directly with torch.distributed
+(gloo); and the same hand-off through a real Valkey server. Oracle: one engine
 without a connector serving the same greedy requests."""
 import random
 
@@ -8,29 +9,33 @@ import pytest
 
 from engine_utils import make_llm, run_greedy, target_path
 from mini_vllm.global_cache.pd import EngineProcess, run_requests
-from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
+from mini_vllm.global_cache.valkey_server import ValkeyServerProcess, free_port
 
 BASE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, device="cpu")
 
 
-def tc(url, role):
-    return {"kv_connector": "PDConnector", "kv_role": role,
-            "kv_connector_extra_config": {"backend": "valkey", "url": url}}
+def tc(backend, url, role):
+    extra = {"backend": backend, "url": url}
+    if backend == "p2p":
+        extra["p2p_rank"] = 0 if role == "kv_producer" else 1
+    return {"kv_connector": "PDConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
 @pytest.fixture(scope="module")
 def pd_pair():
-    srv = ValkeyServerProcess().start()
+    """Two engine processes; the hand-off is sent directly (torch.distributed, gloo)."""
     p = d = None
     try:
-        p = EngineProcess(target_path(), wait=False, kv_transfer_config=tc(srv.url, "kv_producer"), **BASE)
-        d = EngineProcess(target_path(), wait=False, kv_transfer_config=tc(srv.url, "kv_consumer"), **BASE)
-        yield p.wait_ready(), d.wait_ready()  # started in parallel
+        url = f"tcp://127.0.0.1:{free_port()}"
+        p = EngineProcess(target_path(), wait=False, kv_transfer_config=tc("p2p", url, "kv_producer"),
+                          **BASE)
+        d = EngineProcess(target_path(), wait=False, kv_transfer_config=tc("p2p", url, "kv_consumer"),
+                          **BASE)
+        yield p.wait_ready(), d.wait_ready()  # started in parallel: both must join the group
     finally:
         for e in (p, d):
             if e is not None:
                 e.stop()
-        srv.stop()
 
 
 def test_decode_engine_continues_without_recomputing_the_prompt(pd_pair):
@@ -56,3 +61,24 @@ def test_max_tokens_one_never_reaches_the_decode_engine(pd_pair):
     prefill, decode = pd_pair
     res = run_requests([("solo", [9, 8, 7, 6, 5], 1, 0.0)], prefill=prefill, decode=decode)
     assert res["solo"]["decode_info"] is None and len(res["solo"]["tokens"]) == 1
+
+
+def test_hand_off_through_a_valkey_server():
+    """The same hand-off through a shared server (two engines in this process;
+    test_ch6_valkey.py covers two processes on one server)."""
+    from test_ch6_engine import record_scheduled
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 6000) for _ in range(n)] for n in (50, 16, 3)]
+    with ValkeyServerProcess() as srv:
+        prefill = make_llm(kv_transfer_config=tc("valkey", srv.url, "kv_producer"))
+        decode = make_llm(kv_transfer_config=tc("valkey", srv.url, "kv_consumer"))
+        log = record_scheduled(decode)
+        want = run_greedy(make_llm(), prompts, 5)
+        for i, p in enumerate(prompts):
+            (t1,) = run_greedy(prefill, [p], 1)
+            assert prefill.llm_engine.engine_core.kv_connector_worker.flush(10)
+            log.clear()
+            rest = run_greedy(decode, [p + t1], 4)[0]
+            assert t1 + rest == want[i], f"prompt {i}: P/D tokens differ from a single engine's"
+            assert list(log[0].values()) == [1], \
+                f"prompt {i} ({len(p)} tokens): the decode engine recomputed prompt tokens"

@@ -31,6 +31,8 @@ def block_for(i: int, layout=LAYOUT) -> torch.Tensor:
     ({"kv_connector_extra_config": {"timeout_s": 0}}, "timeout_s"),
     ({"kv_connector_extra_config": {"backend": "valkey", "url": "http://x"}}, "url"),
     ({"kv_rank": 0}, "unknown key"),
+    ({"kv_connector_extra_config": {"backend": "p2p", "url": "tcp://127.0.0.1:1"}}, "p2p_rank"),
+    ({"kv_connector_extra_config": {"backend": "mooncake", "url": "127.0.0.1:1"}}, "metadata_server"),
 ])
 def test_bad_kv_transfer_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
