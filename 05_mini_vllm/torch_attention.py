@@ -11,8 +11,8 @@ Per step, `plan()` (cached on the AttentionMetadata, reused by every layer):
 * builds, per group, the list of cache *blocks* to gather (whole blocks are
   contiguous in the cache, so one `index_select` copies block_size rows at a
   time), the causal/length mask, and where each query row goes.
-Per layer, `attend()` gathers K/V block by block, zeroes every position past
-a sequence's length (stale or NaN data in a partly filled block or behind a
+Per layer, `attend()` gathers K/V block by block, zeroes (by index) every
+position past a sequence's length (stale or NaN data in a partly filled block or behind a
 -1 table entry never reaches the product: 0 * NaN would be NaN even under a
 mask), and runs one `scaled_dot_product_attention` per group. GQA: the query
 heads of a KV head are folded into the query axis, so K/V are never repeated.
@@ -35,7 +35,7 @@ class GroupPlan:
     max_s: int
     block_ids: torch.Tensor        # [S * num_blocks] cache blocks to gather
     num_blocks: int
-    invalid: torch.Tensor          # [S, max_s, 1, 1] positions past seq_len
+    invalid: torch.Tensor          # flat (sequence, slot) rows past seq_len in the gathered blocks
     mask: torch.Tensor             # [S, max_q, max_s] True where query may see key
     seq_of_tok: torch.Tensor | None  # prefill: padded (sequence, offset) of each query row
     off_of_tok: torch.Tensor | None
@@ -68,7 +68,11 @@ def _group_plan(seqs, starts, q_lens, s_lens, block_tables, block_size, dev, eve
     if max_q > 1:
         seq_of_tok = torch.repeat_interleave(torch.arange(n), ql).to(dev)
         off_of_tok = (torch.arange(int(ql.sum())) - torch.repeat_interleave(torch.cumsum(ql, 0) - ql, ql)).to(dev)
-    invalid = (k_pos[None, :] >= sl[:, None])[:, :, None, None].to(dev)
+    # Rows of the gathered [S * nblk * block_size] K/V that lie past seq_len: zeroed by
+    # index, which touches only those rows (a masked_fill would rewrite every row).
+    width = nblk * block_size
+    past = torch.arange(width)[None, :] >= sl[:, None]
+    invalid = torch.arange(n * width).view(n, width)[past].to(dev)
     return GroupPlan(rows, n, max_q, max_s, table.flatten().to(dev), nblk, invalid, mask.to(dev),
                      seq_of_tok, off_of_tok)
 
@@ -100,10 +104,14 @@ def attend(query, key_cache, value_cache, md, scale: float) -> torch.Tensor:
     out = query if len(plans) == 1 and plans[0].rows is None else torch.empty_like(query)
     for p in plans:
         S, Qm, L = p.num_seqs, p.max_q, p.max_s
-        k = key_cache.index_select(0, p.block_ids).view(S, p.num_blocks * block_size, num_kv_heads, head_dim)
-        v = value_cache.index_select(0, p.block_ids).view(S, p.num_blocks * block_size, num_kv_heads, head_dim)
-        k = k[:, :L].masked_fill_(p.invalid, 0).transpose(1, 2)  # [S, KVH, L, D]
-        v = v[:, :L].masked_fill_(p.invalid, 0).transpose(1, 2)
+        width = p.num_blocks * block_size
+        k = key_cache.index_select(0, p.block_ids).view(S * width, num_kv_heads, head_dim)
+        v = value_cache.index_select(0, p.block_ids).view(S * width, num_kv_heads, head_dim)
+        if p.invalid.numel():
+            k.index_fill_(0, p.invalid, 0)
+            v.index_fill_(0, p.invalid, 0)
+        k = k.view(S, width, num_kv_heads, head_dim)[:, :L].transpose(1, 2)  # [S, KVH, L, D]
+        v = v.view(S, width, num_kv_heads, head_dim)[:, :L].transpose(1, 2)
         q_rows = query if p.rows is None else query.index_select(0, p.rows)
         if Qm == 1:
             q = q_rows
