@@ -20,6 +20,7 @@ thread but never an engine step.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 
@@ -29,6 +30,7 @@ from .local_pool import LocalLRUPool
 from .store import KVStore
 
 PRODUCER, CONSUMER = 0, 1
+logger = logging.getLogger("mini_vllm.global_cache")
 
 
 class P2PStore(KVStore):
@@ -49,7 +51,8 @@ class P2PStore(KVStore):
         self.mailbox = LocalLRUPool(int(capacity_bytes))
         self.num_received = 0
         if rank == CONSUMER:
-            threading.Thread(target=self._receive_loop, name="kv-p2p-recv", daemon=True).start()
+            self._receiver = threading.Thread(target=self._receive_loop, name="kv-p2p-recv", daemon=True)
+            self._receiver.start()
 
     # ---------------------------------------------------------- producer
     def batch_put(self, items) -> None:
@@ -68,10 +71,18 @@ class P2PStore(KVStore):
 
     # ---------------------------------------------------------- consumer
     def _receive_loop(self) -> None:
+        try:
+            self._receive_batches()
+        except RuntimeError as e:  # the producer closed the connection (it stopped)
+            logger.info("p2p receiver stopped: %s", str(e).splitlines()[0][:200])
+
+    def _receive_batches(self) -> None:
         d = self.dist
         while True:
             n = torch.zeros(1, dtype=torch.int64)
             d.recv(n, PRODUCER)
+            if int(n) < 0:  # the producer is closing
+                return
             got = []
             for _ in range(int(n)):
                 head = torch.zeros(2, dtype=torch.int64)
@@ -84,6 +95,19 @@ class P2PStore(KVStore):
             self.mailbox.batch_put(got)
             self.num_received += len(got)
             d.send(torch.tensor([len(got)], dtype=torch.int64), PRODUCER)
+
+    def close(self) -> None:
+        """Producer: tell the consumer's receiver to stop; then both leave the group."""
+        if not self.dist.is_initialized():
+            return
+        try:
+            if self.rank == PRODUCER:
+                self.dist.send(torch.tensor([-1], dtype=torch.int64), CONSUMER)
+            else:
+                self._receiver.join(5.0)
+            self.dist.destroy_process_group()
+        except RuntimeError as e:  # the peer is already gone
+            logger.info("p2p close: %s", str(e).splitlines()[0][:200])
 
     def batch_get(self, keys):
         return self.mailbox.batch_get(keys)

@@ -42,6 +42,11 @@ def _serve(model: str, engine_args: dict, conn) -> None:
         while conn.poll(0 if eng.has_unfinished_requests() else None):
             msg = conn.recv()
             if msg[0] == "stop":
+                wc = core.kv_connector_worker
+                if wc is not None:  # drain saves, then release the store (a p2p group too)
+                    wc.flush(5.0)
+                    wc.close()
+                    wc.store.close()
                 conn.send(("stopped", None))
                 return
             _, rid, prompt, max_tokens = msg
