@@ -96,6 +96,7 @@ class _PromptSearch:
         self.reports: dict[str, tuple[list[int], list[float]]] = {}
         self.done: list[BeamSearchSequence] = []
         self.prompt = prompt
+        self.preemptions_at_round = 0
 
 
 def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
@@ -121,16 +122,21 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
     eos = engine.eos_token_id
     sched = core.scheduler
     searches: dict[str, _PromptSearch] = {}  # request id -> its prompt's search
-    all_searches = []
-    for toks in prompts:
-        s = _PromptSearch(toks)
-        rid = f"beam-{next(_ids)}"
-        core.add_request(Request(rid, toks, sp, eos_token_id=eos))
-        s.live[rid] = BeamSearchSequence(list(toks))
-        searches[rid] = s
-        all_searches.append(s)
+    all_searches = [_PromptSearch(toks) for toks in prompts]
+    # Prompts at a time: all their beams fit in max_num_seqs, so forks need not wait.
+    todo, active = list(all_searches), []
+    limit = max(1, max_seqs // w)
     try:
-        while any(s.live for s in all_searches):
+        while todo or active:
+            while todo and len(active) < limit:
+                s = todo.pop(0)
+                rid = f"beam-{next(_ids)}"
+                core.add_request(Request(rid, s.prompt, sp, eos_token_id=eos))
+                s.live[rid] = BeamSearchSequence(list(s.prompt))
+                searches[rid] = s
+                active.append(s)
+                s.preemptions_at_round = sched.num_preemptions
+            before = _progress(sched)
             for out in core.step().outputs:
                 s = searches.get(out.request_id)
                 if s is None or not out.new_token_ids:
@@ -141,9 +147,28 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
                     continue  # recomputed after a preemption: same logits, already known
                 ids, lps, _rank = out.logprobs[0]
                 s.reports[out.request_id] = (ids[1:], lps[1:])  # [0] is the sampled token
-            for s in all_searches:
-                if s.live and len(s.reports) == len(s.live):
+            rounds = 0
+            for s in active:
+                if len(s.reports) == len(s.live):
                     _select(s, params, eos, core, searches)
+                    s.preemptions_at_round = sched.num_preemptions
+                    rounds += 1
+                elif sched.num_preemptions - s.preemptions_at_round > 4 * w * limit:
+                    _too_small(core, w, "beams keep preempting each other")
+            if not rounds and _progress(sched) == before:
+                # Stuck: parked beams hold blocks and are never scheduled, so nothing
+                # preempts them for a waiting beam. Restart the newest prompt later,
+                # with one prompt fewer at a time; a single prompt that does not fit fails.
+                if len(active) == 1:
+                    _too_small(core, w, "a waiting beam cannot get blocks while the parked ones hold them")
+                victim = active.pop()
+                core.abort_requests([r for r in victim.live if r in sched.requests])
+                for r in victim.live:
+                    searches.pop(r, None)
+                victim.__init__(victim.prompt)
+                todo.insert(0, victim)
+                limit = len(active)
+            active = [s for s in active if s.live]
             if on_step is not None:
                 on_step(core)
     finally:  # an exception must not leave beams holding blocks
@@ -151,6 +176,15 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
         if left:
             core.abort_requests(left)
     return [_result(s, params, eos, engine.get_tokenizer()) for s in all_searches]
+
+
+def _progress(sched) -> tuple[int, int]:
+    return sum(r.num_computed_tokens for r in sched.requests.values()), sched.num_preemptions
+
+
+def _too_small(core, w: int, why: str):
+    raise ValueError(f"the KV cache ({core.num_gpu_blocks} blocks) is too small for beam_width={w}: "
+                     f"{why}; give it more KV blocks or use a smaller beam_width")
 
 
 def _select(s: _PromptSearch, params: BeamSearchParams, eos, core, searches) -> None:
