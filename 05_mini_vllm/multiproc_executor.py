@@ -17,7 +17,8 @@ Protocol (every rank runs the same calls in the same order):
   sampled tokens from the next SchedulerOutput, like rank 0's;
 * `collective_rpc` also gathers every rank's result to the driver (tests
   read each rank's KV cache and shard shapes this way);
-* `None` is the shutdown message: workers leave the group and exit.
+* `None` is the shutdown message: workers leave the group and exit with
+  status 0; a worker whose call raises prints the traceback and exits with 1.
 
 Failure and cleanup:
 * a dead worker closes its sockets, so the driver's next collective raises;
@@ -39,7 +40,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
+import traceback
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -96,8 +99,16 @@ def worker_busy_loop(rank: int, world_size: int, rendezvous, device: str | None 
             result = _bind(worker, method)(*args)
             if collect:
                 gather_object(result, group)
-    finally:
         destroy_distributed_environment()
+        code = 0
+    except BaseException:  # the driver sees the closed sockets and names this rank
+        traceback.print_exc()
+        code = 1
+    # os._exit: skip interpreter teardown, where a collective library's background
+    # threads can abort the process (SIGABRT) and hide the real exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _shutdown(procs: list, state: dict) -> None:
@@ -205,8 +216,11 @@ class MultiprocExecutor:
                 broadcast_object(msg, self.tp_group)
             return local()
         except Exception as e:
-            for p in self.procs:  # give a dying worker a moment to report its exit code
-                p.join(timeout=2)
+            # A peer's closed socket can reach us before its process has exited:
+            # give a dying worker a few seconds to show its exit code.
+            deadline = time.monotonic() + (0 if isinstance(e, ValueError) else 5)
+            while not self._dead_workers() and time.monotonic() < deadline:
+                time.sleep(0.05)
             dead = self._dead_workers()
             self._failed = (f"tensor-parallel worker {', '.join(dead)} died" if dead
                             else f"{type(e).__name__}: {e}")

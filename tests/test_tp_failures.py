@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,35 @@ def test_exception_in_one_worker_fails_fast_instead_of_hanging():
     with pytest.raises(RuntimeError, match="rank 1"):
         run_greedy(llm, PROMPTS[:1], 2)
     assert not wait_no_tp_children()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see the orphan")
+def test_workers_exit_when_the_driver_is_killed():
+    """SIGKILL runs no finalizer: the worker must notice its peer's closed sockets and exit."""
+    code = ("import os, signal, torch; torch.set_num_threads(1)\n"
+            "from mini_vllm import LLM\n"
+            "from mini_vllm.tiny_models import model_path\n"
+            "llm = LLM(str(model_path('tiny-py-target')), device='cpu', kv_cache_memory_bytes=8 << 20,"
+            " tensor_parallel_size=2)\n"
+            "print(llm.llm_engine.engine_core.executor.procs[0].pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)  # do not leave it behind even when the test fails
+        pytest.fail("the worker outlived its killed driver by 20 s (orphaned process)")
+
