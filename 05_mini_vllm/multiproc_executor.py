@@ -225,8 +225,8 @@ class MultiprocExecutor:
             self._failed = (f"tensor-parallel worker {', '.join(dead)} died" if dead
                             else f"{type(e).__name__}: {e}")
             self.shutdown()  # the ranks are out of step now; nothing can resume
-            if isinstance(e, ValueError) and not dead:
-                raise  # bad input found on rank 0 (e.g. max_model_len) stays a ValueError
+            if isinstance(e, ValueError):
+                raise  # bad input (e.g. max_model_len), found by every rank: stays a ValueError
             raise RuntimeError(f"the tensor-parallel executor has failed: {self._failed}") from e
 
     def rpc(self, method: str, *args):

@@ -59,6 +59,12 @@ def test_exception_in_one_worker_fails_fast_instead_of_hanging():
     assert not wait_no_tp_children()
 
 
+def test_bad_engine_argument_found_by_every_rank_stays_a_value_error():
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(tensor_parallel_size=2, max_model_len=100_000)
+    assert not wait_no_tp_children(), "a rejected engine must not leave its workers behind"
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting for its new parent to reap it counts as gone)."""
     try:
