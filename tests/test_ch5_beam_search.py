@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from engine_utils import assert_pool_full, make_llm, target_path
 from mini_vllm import BeamSearchParams
-from mini_vllm.beam_search import get_beam_search_score, run_beam_search
+from mini_vllm.beam_search import run_beam_search
 
 
 def _tiny(cls, **kw):
@@ -74,7 +74,11 @@ def hf_beam(hf, prompt, w, n, **kw):
 def reference_beam_search(hf, prompt, w, n, eos, length_penalty, ignore_eos=False):
     """vLLM's rules, recomputing every beam from scratch (no KV cache at all)."""
     live, done = [(list(prompt), 0.0)], []
-    score = lambda b: get_beam_search_score(b[0], b[1], eos, length_penalty)
+
+    def score(beam):  # written out again: the module's scorer is under test
+        toks, cum = beam
+        return cum / (len(toks) - (toks[-1] == eos)) ** length_penalty
+
     for _ in range(n):
         lps = torch.log_softmax(hf(torch.tensor([t for t, _ in live])).logits[:, -1].float(), -1)
         top = lps.topk(2 * w, dim=-1)
@@ -197,9 +201,15 @@ def _long_prompt(tok, n=200) -> list[int]:
     return tok(textwrap.dedent(inspect.getsource(collections.OrderedDict)))["input_ids"][:n]
 
 
-def _check_tables(core, log) -> None:
-    """Blocks in use == union of the live requests' tables, ref counts == sharers."""
+def _check_tables(core, log, forks) -> None:
+    """Blocks in use == union of the live requests' tables, ref counts == sharers;
+    a beam forked in this round holds exactly its parent's blocks."""
     kv, sched = core.scheduler.kv_cache_manager, core.scheduler
+    for r in sched.requests.values():
+        if r.parent_request_id is not None and r.num_tokens_sent is None:
+            assert kv.get_block_ids(r.request_id) == kv.get_block_ids(r.parent_request_id), \
+                "a forked beam must share its parent's blocks, not recompute into new ones"
+            forks.add(r.request_id)
     tables = [kv.get_block_ids(r) for r in sched.requests]
     sharers: dict[int, int] = {}
     for t in tables:
@@ -215,8 +225,13 @@ def test_forks_share_blocks_and_cut_beams_free_theirs_at_once(target_llm):
     core = llm.llm_engine.engine_core
     kv = core.scheduler.kv_cache_manager
     prompt = _long_prompt(llm.get_tokenizer())
-    log, cuts = [], []
-    real_abort = core.abort_requests
+    log, cuts, forks, scheduled = [], [], set(), []
+    real_abort, real_schedule = core.abort_requests, core.scheduler.schedule
+
+    def counted_schedule():
+        so = real_schedule()
+        scheduled.append(so.total_num_scheduled_tokens)
+        return so
 
     def watched_abort(ids):
         ids = list(ids)
@@ -230,12 +245,15 @@ def test_forks_share_blocks_and_cut_beams_free_theirs_at_once(target_llm):
             "the free-block count must rise by exactly the cut beams' private blocks"
         cuts.append(len(private))
 
-    core.abort_requests = watched_abort
+    core.abort_requests, core.scheduler.schedule = watched_abort, counted_schedule
     try:
         (out,) = run_beam_search(llm.llm_engine, [prompt], BeamSearchParams(w, n, ignore_eos=True),
-                                 on_step=lambda c: _check_tables(c, log))
+                                 on_step=lambda c: _check_tables(c, log, forks))
     finally:
-        del core.abort_requests
+        del core.abort_requests, core.scheduler.schedule
+    assert len(forks) >= w - 1, "setup: the search should fork beams"
+    assert sum(scheduled) <= len(prompt) + w * (n - 1), \
+        "beams recomputed tokens: forks must inherit the parent's computed KV, one new token per round"
     assert sum(cuts) > 0, "setup: some cut beam should have owned private blocks"
     unshared_w = w * -(-(len(prompt) + n) // bs)  # W sequences with their own copies
     peak = max(u for u, _ in log)
