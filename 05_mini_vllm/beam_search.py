@@ -91,7 +91,8 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
 class _PromptSearch:
     """The live beams, this round's reports and the finished beams of one prompt."""
 
-    def __init__(self, prompt: list[int]) -> None:
+    def __init__(self, prompt: list[int], params: BeamSearchParams, sp: SamplingParams) -> None:
+        self.params, self.sp = params, sp
         self.live: dict[str, BeamSearchSequence] = {}
         self.reports: dict[str, tuple[list[int], list[float]]] = {}
         self.done: list[BeamSearchSequence] = []
@@ -102,12 +103,17 @@ class _PromptSearch:
 def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
     """Drive `engine.engine_core` until every prompt's search ends.
 
-    `on_step(core)`, if given, runs after every engine step and every
-    selection round (tests and benchmarks watch the KV pool with it).
+    `params` is one BeamSearchParams or a list, one per prompt (benchmarks
+    give each prompt its own max_tokens). `on_step(core)`, if given, runs
+    after every engine step and every selection round (tests and benchmarks
+    watch the KV pool with it).
     """
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    core, w = engine.engine_core, params.beam_width
+    prompts = _as_list(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in plist):
+        raise ValueError(f"params must be a BeamSearchParams or a list of {len(prompts)} "
+                         f"(one per prompt), got {params!r:.80}")
+    core, w = engine.engine_core, max((p.beam_width for p in plist), default=1)
     max_seqs = engine.config.max_num_seqs
     if w > max_seqs:
         raise ValueError(f"beam_width must be <= max_num_seqs ({max_seqs}), got {w}")
@@ -116,13 +122,13 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
     vocab = engine.model_config.vocab_size
     if 2 * w > vocab:
         raise ValueError(f"beam_width must be <= vocab_size / 2 = {vocab // 2}, got {w}")
-    sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                        logprobs=2 * w, ignore_eos=True)
-    prompts = [engine.process_inputs(p, sp)[1] for p in _as_list(prompts)]  # all or nothing
+    sps = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, logprobs=2 * p.beam_width,
+                          ignore_eos=True) for p in plist]
+    toks = [engine.process_inputs(p, sp)[1] for p, sp in zip(prompts, sps)]  # all or nothing
     eos = engine.eos_token_id
     sched = core.scheduler
     searches: dict[str, _PromptSearch] = {}  # request id -> its prompt's search
-    all_searches = [_PromptSearch(toks) for toks in prompts]
+    all_searches = [_PromptSearch(t, p, sp) for t, p, sp in zip(toks, plist, sps)]
     # Prompts at a time: all their beams fit in max_num_seqs, so forks need not wait.
     todo, active = list(all_searches), []
     limit = max(1, max_seqs // w)
@@ -131,7 +137,7 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
             while todo and len(active) < limit:
                 s = todo.pop(0)
                 rid = f"beam-{next(_ids)}"
-                core.add_request(Request(rid, s.prompt, sp, eos_token_id=eos))
+                core.add_request(Request(rid, s.prompt, s.sp, eos_token_id=eos))
                 s.live[rid] = BeamSearchSequence(list(s.prompt))
                 searches[rid] = s
                 active.append(s)
@@ -150,7 +156,7 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
             rounds = 0
             for s in active:
                 if len(s.reports) == len(s.live):
-                    _select(s, params, eos, core, searches)
+                    _select(s, s.params, eos, core, searches)
                     s.preemptions_at_round = sched.num_preemptions
                     rounds += 1
                 elif sched.num_preemptions - s.preemptions_at_round > 4 * w * limit:
@@ -165,7 +171,7 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
                 core.abort_requests([r for r in victim.live if r in sched.requests])
                 for r in victim.live:
                     searches.pop(r, None)
-                victim.__init__(victim.prompt)
+                victim.__init__(victim.prompt, victim.params, victim.sp)
                 todo.insert(0, victim)
                 limit = len(active)
             active = [s for s in active if s.live]
@@ -175,7 +181,7 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
         left = [r for r in searches if r in sched.requests]
         if left:
             core.abort_requests(left)
-    return [_result(s, params, eos, engine.get_tokenizer()) for s in all_searches]
+    return [_result(s, s.params, eos, engine.get_tokenizer()) for s in all_searches]
 
 
 def _progress(sched) -> tuple[int, int]:
