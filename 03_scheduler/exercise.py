@@ -24,6 +24,8 @@ vLLM counterpart: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`).
 """
 from __future__ import annotations
 
+from mini_vllm.paged_attention.exercise_support import given_class
+
 from . import scheduler as _sched
 from . import step as _step
 from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
@@ -40,23 +42,7 @@ __all__ = [
 ]
 
 
-def _given(cls: type, *lesson: str) -> type:
-    """A copy of the reference class `cls` lacking the methods in `lesson`.
-
-    Not a subclass: nothing of the lesson is inherited, so a method missing
-    from this file is an AttributeError, never the reference's answer.
-    """
-    ns = dict(vars(cls))
-    for name in lesson:
-        if name not in ns:
-            raise RuntimeError(f"{cls.__name__}.{name} is not in the reference any more; update exercise.py")
-        del ns[name]
-    for name in ("__dict__", "__weakref__"):
-        ns.pop(name, None)
-    for name, fn in ns.items():  # a zero-argument super() would still point at the reference class
-        if "__class__" in getattr(getattr(fn, "__code__", None), "co_freevars", ()):
-            raise RuntimeError(f"{cls.__name__}.{name} uses super(); it cannot be copied")
-    return type(cls.__name__, cls.__bases__, ns)
+_given = given_class  # a copy of the reference class without the lesson's methods
 
 
 class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_admit")):

@@ -21,6 +21,8 @@ vLLM counterparts: `vllm/distributed/kv_transfer/kv_connector/v1/base.py`,
 """
 from __future__ import annotations
 
+from mini_vllm.paged_attention.exercise_support import given_class
+
 import torch
 
 from . import connector as _conn
@@ -33,19 +35,7 @@ from .stats import ConnectorStats  # noqa: F401
 from .store import StoreUnavailable  # noqa: F401
 
 
-def _given(cls: type, *lesson: str) -> type:
-    """A copy of the reference class `cls` lacking the methods in `lesson`."""
-    ns = dict(vars(cls))
-    for name in lesson:
-        if name not in ns:
-            raise RuntimeError(f"{cls.__name__}.{name} is not in the reference any more; update exercise.py")
-        del ns[name]
-    for name in ("__dict__", "__weakref__"):
-        ns.pop(name, None)
-    for name, fn in ns.items():
-        if "__class__" in getattr(getattr(fn, "__code__", None), "co_freevars", ()):
-            raise RuntimeError(f"{cls.__name__}.{name} uses super(); it cannot be copied")
-    return type(cls.__name__, cls.__bases__, ns)
+_given = given_class  # a copy of the reference class without the lesson's methods
 
 
 def pack_block(key: str, block: torch.Tensor) -> bytes:
