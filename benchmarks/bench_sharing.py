@@ -15,7 +15,7 @@ the prompt (the scheduler's `fork_children`); beam search shares every
 common prefix (beams fork and are cut, 05_mini_vllm/beam_search.py). Prefix
 caching is off, so forks are the only source of sharing.
 
-Run: .venv/bin/python benchmarks/bench_sharing.py [--requests 6] [--threads 1]
+Run: .venv/bin/python benchmarks/bench_sharing.py [--requests 16] [--threads 1]
 """
 from __future__ import annotations
 
@@ -92,13 +92,14 @@ def run_beam(llm: LLM, reqs, width: int) -> Meter:
     return meter
 
 
-def measure(n_requests: int) -> list[dict]:
+def measure(n_requests: int, datasets=("Alpaca", "ShareGPT"), seed: int = 0, widths=WIDTHS) -> list[dict]:
+    """One row per (dataset, method, n or width); each run on a fresh engine."""
     stream = corpus_token_stream(load_tiny_tokenizer())
     rows = []
-    for dataset in ("Alpaca", "ShareGPT"):
-        reqs = workload(dataset, n_requests, stream)
+    for dataset in datasets:
+        reqs = workload(dataset, n_requests, stream, seed)
         for method, run in (("parallel", run_parallel), ("beam", run_beam)):
-            for k in WIDTHS:
+            for k in widths:
                 llm = make_llm(max_seqs=k * n_requests)
                 t = time.perf_counter()
                 m = run(llm, reqs, k)
@@ -121,7 +122,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=6, help="requests per workload (default 6)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per workload (default 16)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
