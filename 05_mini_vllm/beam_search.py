@@ -108,7 +108,9 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
     after every engine step and every selection round (tests and benchmarks
     watch the KV pool with it).
     """
-    prompts = _as_list(prompts)
+    from mini_vllm.llm import LLM  # its prompt normalisation; llm.py imports this module lazily
+
+    prompts = LLM._as_list(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in plist):
         raise ValueError(f"params must be a BeamSearchParams or a list of {len(prompts)} "
@@ -248,12 +250,3 @@ def _result(s: _PromptSearch, params: BeamSearchParams, eos, tokenizer) -> BeamS
         for b in best:
             b.text = tokenizer.decode(b.tokens)
     return BeamSearchOutput(best)
-
-
-def _as_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]
-    return prompts
