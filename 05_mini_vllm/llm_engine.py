@@ -24,9 +24,20 @@ from mini_vllm.scheduler import Request
 logger = logging.getLogger("mini_vllm")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str):
+    """The folder's own tokenizer, or None when it ships none: transformers would
+    otherwise build a placeholder (for Qwen folders, a 1-token vocabulary whose
+    EOS id has nothing to do with the model's)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s; only token-id prompts work", path)
+        return None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:  # a folder with weights but no tokenizer files

@@ -102,3 +102,19 @@ def test_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(ValueError, match="gpt2"):
         LLM(str(tmp_path))
+
+
+def test_folder_without_tokenizer_uses_the_config_eos(tmp_path):
+    """A bare checkpoint (no tokenizer files) must not get a placeholder tokenizer
+    whose EOS id differs from config.json's."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=128, eos_token_id=42)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    llm = make_llm(str(tmp_path))
+    assert llm.get_tokenizer() is None
+    assert llm.llm_engine.eos_token_id == 42, "EOS must come from config.json when there is no tokenizer"
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text", SamplingParams(max_tokens=2), use_tqdm=False)
