@@ -1,15 +1,17 @@
 """TP = 4 on the trained tiny target (gloo, four CPU processes on whatever cores
 there are): 2 kv heads over 4 ranks, so each kv head is replicated on two
-ranks. Oracle: the TP = 1 engine. One test: four processes are the slow part.
+ranks; and the random tiny configs of tp_utils at TP = 4. Oracle: the TP = 1
+engine. Four processes are the slow part, so the prompts are short.
 """
 from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 
 from engine_utils import make_llm, run_greedy
-from tp_utils import wait_no_tp_children
+from tp_utils import TP_CONFIGS, save_random_checkpoint, wait_no_tp_children
 
 
 def _prompts(vocab: int, seed: int):
@@ -40,4 +42,21 @@ def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
                                        msg=f"layer {layer} rank {r}: keys are not kv head {kv}'s")
             torch.testing.assert_close(c[layer][1], v[:, :, kv:kv + 1], atol=1e-4, rtol=1e-4,
                                        msg=f"layer {layer} rank {r}: values are not kv head {kv}'s")
+    assert not wait_no_tp_children(), "worker process left after shutdown"
+
+
+@pytest.mark.parametrize("name", list(TP_CONFIGS))
+def test_random_models_tp4_greedy_identical_to_tp1(tmp_path, name):
+    """Random Llama (2 kv heads), Qwen2 (1 kv head) and Qwen3 (4 kv heads, biases)
+    over 4 ranks: kv heads replicated 2x, 4x, or split one per rank."""
+    path = str(save_random_checkpoint(name, tmp_path, 9000 + list(TP_CONFIGS).index(name)))
+    prompts = _prompts(97, 5)
+    kw = dict(block_size=8, max_num_batched_tokens=32)
+    ref = run_greedy(make_llm(path, **kw), prompts, 8)
+    four = make_llm(path, tensor_parallel_size=4, **kw)
+    try:
+        got = run_greedy(four, prompts, 8)
+    finally:
+        four.shutdown()
+    assert got == ref, f"{name}: TP = 4 greedy tokens differ from TP = 1"
     assert not wait_no_tp_children(), "worker process left after shutdown"
