@@ -5,9 +5,10 @@ FlashInfer backend (`vllm/v1/attention/backends/flashinfer.py`), which plans a
 batch once per step and splits decodes from prefills.
 
 Per step, `plan()` (cached on the AttentionMetadata, reused by every layer):
-* splits the sequences into groups: prefill chunks together, decodes bucketed
-  by length (sorted, a new bucket when lengths halve), so a few long
-  sequences do not pad every short one to their length;
+* splits the sequences into groups: prefill chunks bucketed by query x key
+  size, decodes by key length (sorted, a new bucket when the size falls below
+  2/3 of the bucket's first), so a few long sequences do not pad every short
+  one to their length;
 * builds, per group, the list of cache *blocks* to gather (whole blocks are
   contiguous in the cache, so one `index_select` copies block_size rows at a
   time), the causal/length mask, and where each query row goes.
@@ -41,11 +42,14 @@ class GroupPlan:
     off_of_tok: torch.Tensor | None
 
 
-def _buckets(seqs: list[int], s_lens: list[int]) -> list[list[int]]:
-    order = sorted(seqs, key=lambda i: -s_lens[i])
+def _buckets(seqs: list[int], size, min_bucket: int = _MIN_BUCKET) -> list[list[int]]:
+    """Sequences sorted by `size(i)` (longest first), cut into buckets whose
+    sizes stay within 1.5x of the bucket's first, so padding wastes at most a
+    third of a bucket's work."""
+    order = sorted(seqs, key=lambda i: -size(i))
     out: list[list[int]] = []
     for i in order:
-        if out and (s_lens[i] * 2 > s_lens[out[-1][0]] or len(out[-1]) < _MIN_BUCKET):
+        if out and (size(i) * 3 > size(out[-1][0]) * 2 or len(out[-1]) < min_bucket):
             out[-1].append(i)
         else:
             out.append([i])
@@ -88,7 +92,10 @@ def plan(md, block_size: int, device) -> list[GroupPlan]:
         starts.append(starts[-1] + q)
     decodes = [i for i, q in enumerate(q_lens) if q == 1]
     rest = [i for i, q in enumerate(q_lens) if q != 1]
-    groups = ([rest] if rest else []) + (_buckets(decodes, s_lens) if decodes else [])
+    # Prefill chunks pad to the longest query and key length of their group, so
+    # they are bucketed by query x key size; decodes by key length.
+    groups = (_buckets(rest, lambda i: q_lens[i] * s_lens[i], 1) if rest else []) + \
+        (_buckets(decodes, lambda i: s_lens[i]) if decodes else [])
     everything = len(groups) == 1 and groups[0] == list(range(len(q_lens)))
     out = [_group_plan(g, starts, q_lens, s_lens, md.block_tables, block_size, device, everything)
            for g in groups]
