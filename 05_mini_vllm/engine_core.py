@@ -89,6 +89,11 @@ class EngineCore:
     def step(self) -> EngineCoreStep:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        # Prompt tokens in this step: schedule() already advanced each request by Δ.
+        reqs = self.scheduler.requests
+        prompt_tokens = sum(
+            max(0, min(d, reqs[r].num_prompt_tokens - (reqs[r].num_computed_tokens - d)))
+            for r, d in so.num_scheduled_tokens.items())
         t1 = time.perf_counter()
         mro = self.executor.execute_model(so)
         t2 = time.perf_counter()
@@ -105,10 +110,7 @@ class EngineCore:
                 self._seen.add(nr.req_id)
                 res.first_scheduled.append(nr.req_id)
         self._seen -= so.finished_req_ids
-        runner = self.executor.worker.model_runner
-        res.num_prompt_tokens_computed = sum(
-            max(0, min(n, len(runner.requests[r].prompt_token_ids) - runner.requests[r].num_computed_tokens))
-            for r, n in so.num_scheduled_tokens.items() if r in runner.requests)
+        res.num_prompt_tokens_computed = prompt_tokens
         res.timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2}
         return res
 

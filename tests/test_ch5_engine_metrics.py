@@ -36,6 +36,8 @@ def test_prefix_cache_hit_rate_counts_shared_prompt():
     assert sched.prefix_cache_hits == 40, "the second request should hit all 5 blocks of the first prompt"
     assert sched.prefix_cache_queries == 40 + 41
     assert 0.4 < llm.llm_engine.metrics.prefix_cache_hit_rate < 0.6
+    assert llm.llm_engine.metrics.num_prompt_tokens == 40 + 1, \
+        "prompt throughput must count computed prompt tokens only (the hit 40 are not recomputed)"
 
 
 def test_chat_uses_the_chat_template():
