@@ -116,13 +116,12 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, ids, params, eos_token_id=self.eos_token_id, arrival_time=arrival,
                       priority=priority)
-        core_ids = self.output_processor.add_request(request_id, text, ids, params, output_kind, arrival)
+        self.output_processor.add_request(request_id, text, ids, params, output_kind, arrival)
         try:
             self.engine_core.add_request(req)
         except ValueError:
             self.output_processor.abort_requests([request_id])
             raise
-        del core_ids
 
     def abort_request(self, request_ids) -> None:
         """Stop requests now; their KV blocks return to the pool at once."""

@@ -45,7 +45,6 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
-        self.last_step_timings: dict[str, float] = {}
         # Chapter 6: the worker-side KV connector, set by the engine when
         # kv_transfer_config is given (duck-typed, never imported here).
         self.kv_connector = None
