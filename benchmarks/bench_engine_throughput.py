@@ -9,6 +9,11 @@ compared on the first requests. Also reported: the same engine with
 max_num_seqs=1 (no batching), which isolates what continuous batching buys.
 Goal: engine >= 3x the best HF static batch.
 
+The run also prints how much *work* each static batch size does per unit of
+useful work (padded tokens through the linear layers, query-key pairs in
+prefill, keys read per decoded token): at equal speed per unit of work, these
+ratios bound what continuous batching alone can gain over static batching.
+
 Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--num-requests 256] [--threads 1]
 """
 from __future__ import annotations
@@ -63,6 +68,22 @@ def check_greedy(hf, reqs, engine_tokens, k: int = 6) -> None:
             raise SystemExit(f"greedy tokens differ from HF for a {len(p)}-token prompt: not timing")
 
 
+def padding_work(reqs, batch_size: int) -> tuple[float, float, float]:
+    """(linear tokens, prefill query-key pairs, decode key reads) that static
+    batches of `batch_size` process, each divided by the useful amount."""
+    lin = pre = dec = 0
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i:i + batch_size]
+        width, n = max(len(p) for p, _ in chunk), max(m for _, m in chunk)
+        lin += len(chunk) * (width + n)
+        pre += len(chunk) * width * width
+        dec += len(chunk) * (n * width + n * (n - 1) // 2)
+    useful_lin = sum(len(p) + m for p, m in reqs)
+    useful_pre = sum(len(p) ** 2 for p, _ in reqs)
+    useful_dec = sum(m * len(p) + m * (m - 1) // 2 for p, m in reqs)
+    return lin / useful_lin, pre / useful_pre, dec / useful_dec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=256)
@@ -74,6 +95,10 @@ def main() -> None:
     useful = sum(m for _, m in reqs)
     print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens, "
           f"{args.threads} thread(s)")
+    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+        lin, pre, dec = padding_work(reqs, bs)
+        print(f"static batch {bs:>2} does {lin:.2f}x the useful linear-layer tokens, {pre:.2f}x the prefill "
+              f"query-key pairs, {dec:.2f}x the decode key reads")
     hf = load_tiny_model("tiny-py-target", dtype=torch.float32)
     t_eng, toks = engine_run(reqs, max_num_seqs=128)
     check_greedy(hf, reqs, toks)
