@@ -8,7 +8,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models mutants clean
+.PHONY: install demo test test-fast lab bench models editor-model mutants clean
 
 install: $(STAMP)
 
@@ -47,6 +47,10 @@ bench: $(STAMP)
 # Retrains the course's tiny target/draft models (about 2 minutes on one GPU; many hours on 2 CPU cores).
 models: $(STAMP)
 	$(PY) training/train_tiny_lm.py --out models
+
+# Fine-tunes tiny-py-target into tiny-py-editor, which copies code (about 25 minutes on one CPU core).
+editor-model: $(STAMP)
+	$(PY) training/finetune_editor.py --out models/tiny-py-editor
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

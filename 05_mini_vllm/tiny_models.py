@@ -1,4 +1,5 @@
-"""Load the course's own tiny checkpoints (trained by ``training/train_tiny_lm.py``).
+"""Load the course's own tiny checkpoints (trained by ``training/train_tiny_lm.py``;
+the editor fine-tuned from the target by ``training/finetune_editor.py``).
 
 The engine loads these exactly like a downloaded Hugging Face checkpoint (vLLM's
 counterpart: ``vllm/model_executor/model_loader/default_loader.py``), only from the
@@ -18,7 +19,8 @@ import torch
 
 TARGET_NAME = "tiny-py-target"
 DRAFT_NAME = "tiny-py-draft"
-MODEL_NAMES = (TARGET_NAME, DRAFT_NAME)
+EDITOR_NAME = "tiny-py-editor"  # the target fine-tuned to copy (training/finetune_editor.py)
+MODEL_NAMES = (TARGET_NAME, DRAFT_NAME, EDITOR_NAME)
 
 
 def models_dir() -> Path:
