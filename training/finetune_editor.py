@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json"):
         (args.out / name).write_bytes((args.base / name).read_bytes())
-    meta = dict(base=args.base.name, args={k: v if isinstance(v, (int, float)) else str(v)
+    meta = dict(base=args.base.name, args={k: v if isinstance(v, (int, float)) else Path(v).as_posix()
                                            for k, v in vars(args).items()},
                 before=before, after=after, minutes=round((time.time() - t0) / 60, 1))
     (args.out / "finetune_metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
