@@ -10,6 +10,8 @@ Two workloads (CPU, greedy, fp32):
   proposals it accepts are the ones its own repetitions happen to match), and
   `tiny-py-editor`, the same model fine-tuned to reproduce code
   (`training/finetune_editor.py`), which behaves as a code-editing model does.
+  Each editing request asks for the length of the rest of its function, so it
+  ends where the edited code ends (or at EOS).
 * draft model (tiny-py-draft) on plain stdlib prompts: reports the measured
   acceptance rate alpha and the speed-up that Chapter 4's model predicts,
       speed-up = (1 - alpha^(k+1)) / ((1 - alpha) (1 + k c)),
@@ -105,7 +107,7 @@ def step_cost(path: str, batch: int, ctx: int = 256, steps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=96, help="per request, draft-model rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tiny_tokenizer()
