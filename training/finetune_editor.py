@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from evaluate import split_ids  # noqa: E402
-from train_tiny_lm import lr_at, val_loss  # noqa: E402
+from train_tiny_lm import lr_at, optimizer_step, val_loss  # noqa: E402
 
 MARKER = "\n# unchanged copy:\n"
 
@@ -136,16 +136,9 @@ def main(argv=None) -> None:
     t0 = time.time()
     for step in range(args.steps):
         batch = batch_rows(train, marker, eos, args.seq_len, args.batch_size, args.batch_size // 2, gen)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = optimizer_step(model, opt, batch, lr_at(step, args.steps, args.lr))
         if (step + 1) % 25 == 0:
-            print(f"step {step + 1}/{args.steps} loss {loss.item():.3f} "
+            print(f"step {step + 1}/{args.steps} loss {loss:.3f} "
                   f"{(time.time() - t0) / 60:.1f} min", flush=True)
     after = dict(val_loss=val_loss(model, val, 256), copy_accuracy=copy_accuracy(model, val, marker, eos))
     print(f"fine-tuned: {after}", flush=True)

@@ -86,6 +86,19 @@ def lr_at(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10%
 
 
+def optimizer_step(model, opt, batch: torch.Tensor, lr: float) -> float:
+    """One next-token step on `batch` [B, T + 1] at learning rate `lr`; returns the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    logits = model(input_ids=batch[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 @torch.no_grad()
 def val_loss(model, val_ids: torch.Tensor, seq_len: int, max_chunks: int = 24) -> float:
     """Mean next-token loss over the first max_chunks contiguous windows of the validation stream."""
@@ -125,15 +138,8 @@ def train_one(name, args, train_ids, val_ids, tok_dir, eos_id, pad_id, steps, st
     for step in range(limit):
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,), generator=gen)
         batch = torch.stack([train_ids[s: s + args.seq_len + 1] for s in starts.tolist()]).long().to(args.device)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, args.lr)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        last_train = 0.9 * last_train + 0.1 * loss.item() if step else loss.item()
+        loss = optimizer_step(model, opt, batch, lr_at(step, steps, args.lr))
+        last_train = 0.9 * last_train + 0.1 * loss if step else loss
         done = step + 1
         out_of_time = max_minutes is not None and time.time() - t0 > 60 * max_minutes
         if done % args.eval_every == 0 or done == limit or out_of_time:
