@@ -127,3 +127,24 @@ def test_prompt_lookup_pays_on_the_editor(tok, heldout_ids):
     # per step here); a model that copies must do clearly better.
     assert rate >= 0.5 and len(got) >= 3 * steps, \
         f"acceptance {rate:.2f}, {len(got)} tokens in {steps} steps: prompt lookup does not pay on a copying model"
+
+
+def test_finetune_copy_samples_repeat_their_span_after_the_marker(monkeypatch):
+    """The fine-tune's data: every packed copy sample is span + marker + span + EOS,
+    and plain rows are windows of the stream (what the card describes)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "training"))
+    from finetune_editor import batch_rows, copy_sample
+    stream = torch.arange(10_000) % 997 + 3
+    marker, eos = [1, 2], 0
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = copy_sample(stream, marker, eos, gen)
+        n = (len(ids) - len(marker) - 1) // 2
+        assert 32 <= n <= 224 and ids[n:n + 2] == marker and ids[-1] == eos, "sample layout is not span+marker+span+EOS"
+        assert ids[:n] == ids[n + 2:-1], "the copy half must repeat the span exactly"
+    rows = batch_rows(stream, marker, eos, 512, 4, 2, gen)  # the fine-tune's row length
+    assert rows.shape == (4, 513)
+    for r in rows[:2]:  # a span is at most 224 tokens, so a row must reach a marker
+        assert marker[0] in r.tolist(), "a copy row holds no marker: it packed no copy sample"
+    for r in rows[2:]:
+        assert bool(((r[1:] - r[:-1]) % 997 == 1).all()), "a plain row is not a contiguous window of the stream"
