@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from mini_vllm.entrypoints.protocol import ChatCompletionRequest, UsageInfo, random_id
 from mini_vllm.entrypoints.serving_engine import (OpenAIServing, error_response, merge_streams, sse,
@@ -80,15 +80,10 @@ class OpenAIServingChat(OpenAIServing):
                                       f"shorter than max_model_len ({self.engine.max_model_len})", 400,
                                       "messages")
             params = req.to_sampling_params(default_max_tokens=self.engine.max_model_len - len(ids))
-            rid = random_id("chatcmpl")
-            streams = await self.start_streams([{"prompt_token_ids": ids}], params, rid,
-                                               "delta" if req.stream else "final_only")
         except ValueError as e:
             return value_error_response(e)
-        model = req.model or self.models.names[0]
-        if req.stream:
-            return StreamingResponse(self._stream(req, streams, rid, model), media_type="text/event-stream")
-        return await self._full(req, streams, rid, model, is_disconnected)
+        return await self.serve(req, [{"prompt_token_ids": ids}], params, random_id("chatcmpl"),
+                                is_disconnected)
 
     async def _full(self, req, streams, rid, model, is_disconnected) -> JSONResponse:
         final = (await self.collect_finals(streams, is_disconnected))[0]

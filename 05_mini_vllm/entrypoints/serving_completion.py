@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from mini_vllm.entrypoints.protocol import CompletionRequest, UsageInfo, random_id
 from mini_vllm.entrypoints.serving_engine import (OpenAIServing, error_response, merge_streams, sse,
@@ -66,15 +66,9 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             prompts = _prompts(req.prompt)
             params = req.to_sampling_params(default_max_tokens=16)
-            rid = random_id("cmpl")
-            streams = await self.start_streams(prompts, params, rid,
-                                               "delta" if req.stream else "final_only")
         except ValueError as e:
             return value_error_response(e)
-        model = req.model or self.models.names[0]
-        if req.stream:
-            return StreamingResponse(self._stream(req, streams, rid, model), media_type="text/event-stream")
-        return await self._full(req, streams, rid, model, is_disconnected)
+        return await self.serve(req, prompts, params, random_id("cmpl"), is_disconnected)
 
     def _prompt_text(self, out) -> str:
         if out.prompt is not None:

@@ -1,5 +1,6 @@
 """What the completion and chat handlers share: model-name checks, OpenAI's
-error shape, starting a request's stream, and Server-Sent Events framing.
+error shape, starting a request's streams and answering from them, and
+Server-Sent Events framing.
 
 vLLM counterpart: `vllm/entrypoints/openai/serving_engine.py` (`OpenAIServing`,
 `create_error_response`) and `serving_models.py` (`OpenAIServingModels`).
@@ -21,7 +22,7 @@ import json
 import re
 import time
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from mini_vllm.async_llm import AsyncLLM
 from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
@@ -93,6 +94,20 @@ class OpenAIServing:
                     a.close()  # aborts it
             raise bad[0]
         return added
+
+    async def serve(self, req, prompts, params, request_id: str, is_disconnected=None):
+        """Start one stream per prompt, then answer with the handler's `_stream`
+        (Server-Sent Events) or `_full` (one JSON body), as `req.stream` asks."""
+        try:
+            streams = await self.start_streams(prompts, params, request_id,
+                                               "delta" if req.stream else "final_only")
+        except ValueError as e:
+            return value_error_response(e)
+        model = req.model or self.models.names[0]
+        if req.stream:
+            return StreamingResponse(self._stream(req, streams, request_id, model),
+                                     media_type="text/event-stream")
+        return await self._full(req, streams, request_id, model, is_disconnected)
 
     async def collect_finals(self, streams, is_disconnected=None) -> dict:
         """{prompt index: finished output}; raises ClientDisconnected (after aborting
