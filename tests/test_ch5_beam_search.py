@@ -25,19 +25,17 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine_utils import assert_pool_full, make_llm, target_path
+from hf_configs import tiny_config
 from mini_vllm import BeamSearchParams
 from mini_vllm.beam_search import run_beam_search
 
 
-def _tiny(cls, **kw):
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                max_position_embeddings=256, initializer_range=0.4, rms_norm_eps=1e-6)
-    base.update(kw)
-    return cls(**base)
-
-
 # Wider initialisation than the model tests: peaked distributions leave no near-ties
 # between candidates, where float rounding could pick either beam.
+def _tiny(cls, **kw):
+    return tiny_config(cls, initializer_range=0.4, **kw)
+
+
 RANDOM_CONFIGS = {
     "llama-mha-untied": lambda: _tiny(LlamaConfig, num_attention_heads=4, num_key_value_heads=4,
                                       tie_word_embeddings=False),

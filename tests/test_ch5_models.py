@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from hf_configs import tiny_config
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.models import load_model, set_attention_backend
 from mini_vllm.paged_attention import allocate_kv_cache
@@ -25,25 +26,18 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the Triton backend serves models on CUDA only"))]
 
 
-def _tiny(cls, **kw):
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6)
-    base.update(kw)
-    return cls(**base)
-
-
 # name -> config factory; GQA ratios 1/2/4, tied and untied, llama3 rope scaling.
 RANDOM_CONFIGS = {
-    "llama-mha-untied": lambda: _tiny(LlamaConfig, num_attention_heads=4, num_key_value_heads=4,
-                                      tie_word_embeddings=False),
-    "llama3-rope-gqa2-tied": lambda: _tiny(
+    "llama-mha-untied": lambda: tiny_config(LlamaConfig, num_attention_heads=4, num_key_value_heads=4,
+                                           tie_word_embeddings=False),
+    "llama3-rope-gqa2-tied": lambda: tiny_config(
         LlamaConfig, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "qwen2-gqa4-tied": lambda: _tiny(Qwen2Config, num_attention_heads=4, num_key_value_heads=1,
-                                     tie_word_embeddings=True),
-    "qwen3-gqa2-untied-bias": lambda: _tiny(Qwen3Config, num_attention_heads=4, num_key_value_heads=2,
-                                            head_dim=32, attention_bias=True, tie_word_embeddings=False),
+    "qwen2-gqa4-tied": lambda: tiny_config(Qwen2Config, num_attention_heads=4, num_key_value_heads=1,
+                                          tie_word_embeddings=True),
+    "qwen3-gqa2-untied-bias": lambda: tiny_config(Qwen3Config, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=32, attention_bias=True, tie_word_embeddings=False),
 }
 MODELS = list(RANDOM_CONFIGS) + ["tiny-py-target", "tiny-py-draft"]
 

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from hf_configs import tiny_config
 from mini_vllm.distributed import GroupCoordinator, use_tp_group
 from mini_vllm.models import load_model
 
@@ -14,12 +15,7 @@ from mini_vllm.models import load_model
 def _tiny(name, **kw):
     import transformers  # imported here: workers import this module for `fail_on_rank`
 
-    cls = getattr(transformers, name)
-    # vocab 97 is prime: the vocab-parallel tables need padding for every tp > 1
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6)
-    base.update(kw)
-    return cls(**base)
+    return tiny_config(getattr(transformers, name), **kw)
 
 
 # name -> config factory. qwen2 has ONE kv head: with tp = 2 or 4 it is replicated.
