@@ -40,6 +40,16 @@ def step(mod, s):
     return out
 
 
+def step_until_preempted(mod, s, max_steps):
+    """Step until a step preempts something; returns that step's output (the
+    last one if none did)."""
+    for _ in range(max_steps):
+        out = step(mod, s)
+        if out.preempted_req_ids:
+            break
+    return out
+
+
 def new_ids(out):
     return [n.req_id for n in out.scheduled_new_reqs]
 
@@ -84,10 +94,7 @@ def test_no_admission_in_a_step_that_preempted(mod):
     preempted (freeing 2 blocks); a 4-token chunk of B would fit again at once."""
     s = make(mod, num_blocks=4, max_num_batched_tokens=5)
     add(s, req(mod, "A", 4, 12, 0), req(mod, "B", 4, 12, 1))
-    for _ in range(20):
-        out = step(mod, s)
-        if out.preempted_req_ids:
-            break
+    out = step_until_preempted(mod, s, 20)
     assert out.preempted_req_ids == {"B"}, (
         f"preempted {out.preempted_req_ids}, expected B: under fcfs the victim is the last admitted "
         "running request not yet scheduled in this step")
@@ -142,12 +149,7 @@ def test_preemption_victim(mod, policy):
     admitted (B) whatever the priorities; priority preempts the lowest priority (A)."""
     s = make(mod, num_blocks=4, policy=policy)
     add(s, req(mod, "A", 4, 12, 0, priority=1), req(mod, "B", 4, 12, 1, priority=0))
-    preempted = set()
-    for _ in range(10):
-        out = step(mod, s)
-        if out.preempted_req_ids:
-            preempted = out.preempted_req_ids
-            break
+    preempted = step_until_preempted(mod, s, 10).preempted_req_ids
     want = {"fcfs": {"B"}, "priority": {"A"}}[policy]
     assert preempted == want, (
         f"{policy} preempted {preempted or 'nothing'}, expected {want}: the victim is the last "
@@ -161,10 +163,7 @@ def test_a_request_that_preempts_itself_is_not_scheduled(mod):
     victim than itself."""
     s = make(mod, num_blocks=5, max_model_len=20)
     add(s, req(mod, "A", 4, 12, 0), req(mod, "B", 4, 12, 1))
-    for _ in range(10):
-        out = step(mod, s)
-        if out.preempted_req_ids:
-            break
+    out = step_until_preempted(mod, s, 10)
     assert out.preempted_req_ids == {"B"}, (
         f"preempted {out.preempted_req_ids}, expected B (itself): A is already scheduled in this "
         "step, so it can no longer be the victim")
@@ -178,10 +177,7 @@ def test_recompute_preemption_restarts_from_zero(mod):
     s = make(mod, num_blocks=4)
     a, b = req(mod, "A", 4, 12, 0), req(mod, "B", 4, 12, 1)
     add(s, a, b)
-    for _ in range(10):
-        out = step(mod, s)
-        if out.preempted_req_ids:
-            break
+    out = step_until_preempted(mod, s, 10)
     assert out.preempted_req_ids == {"B"}, \
         f"preempted {out.preempted_req_ids}, expected B (the last admitted, under fcfs)"
     assert b.num_computed_tokens == 0 and s.kv_cache_manager.get_block_ids("B") == [], (
