@@ -25,6 +25,22 @@ def kv_value(token: int, pos: int) -> float:
     return float(token * 4096 + pos)
 
 
+def update_block_tables(tables: dict[str, list[int]], out) -> None:
+    """Apply one SchedulerOutput to a runner's {req_id: block ids}: finished and
+    preempted requests leave; new requests bring their whole table; a resumed
+    request, or one whose shared block was copied on write, sends its whole
+    table again; any other cached request sends only its newly allocated blocks."""
+    for rid in out.finished_req_ids | out.preempted_req_ids:
+        tables.pop(rid, None)
+    for nr in out.scheduled_new_reqs:
+        tables[nr.req_id] = list(nr.block_ids)
+    for cr in out.scheduled_cached_reqs:
+        if cr.resumed_from_preemption or cr.replace_block_ids:
+            tables[cr.req_id] = list(cr.new_block_ids)
+        else:
+            tables[cr.req_id].extend(cr.new_block_ids)
+
+
 class MiniRunner:
     def __init__(self, sched, with_tensors: bool = False, vocab: int = 8,
                  seed: int = 0) -> None:
@@ -41,19 +57,11 @@ class MiniRunner:
 
     def execute(self, out, requests: dict, draft_fn=None):
         """Apply block tables, swaps, copies; write KV; sample tokens."""
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
+        update_block_tables(self.tables, out)
         if self.cache is not None:
             copy_blocks([self.cache], [self.cpu_cache], out.blocks_to_swap_out)
             copy_blocks([self.cpu_cache], [self.cache], out.blocks_to_swap_in)
             copy_blocks([self.cache], [self.cache], out.blocks_to_copy)
-        for nr in out.scheduled_new_reqs:
-            self.tables[nr.req_id] = list(nr.block_ids)
-        for cr in out.scheduled_cached_reqs:
-            if cr.resumed_from_preemption or cr.replace_block_ids:
-                self.tables[cr.req_id] = list(cr.new_block_ids)
-            else:
-                self.tables[cr.req_id].extend(cr.new_block_ids)
         sampled = {}
         bs = self.sched.block_size
         for rid, n in out.num_scheduled_tokens.items():

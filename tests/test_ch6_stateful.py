@@ -22,6 +22,7 @@ from mini_vllm.global_cache import (GlobalCacheConnector, KVConnectorRole, KVLay
                                     LocalLRUPool, StoreUnavailable)
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from mini_vllm.scheduler.mini_runner import update_block_tables
 from mini_vllm.scheduler.request import SamplingParams
 
 BS = 4
@@ -78,15 +79,7 @@ class Engine:
 
     def step(self):
         so = self.sched.schedule()
-        for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.tables.pop(rid, None)
-        for nr in so.scheduled_new_reqs:
-            self.tables[nr.req_id] = list(nr.block_ids)
-        for cr in so.scheduled_cached_reqs:
-            if cr.resumed_from_preemption or cr.replace_block_ids:
-                self.tables[cr.req_id] = list(cr.new_block_ids)
-            else:
-                self.tables[cr.req_id].extend(cr.new_block_ids)
+        update_block_tables(self.tables, so)
         self.wc.bind_connector_metadata(so.kv_connector_metadata)
         self.wc.start_load_kv()
         sampled = {}
