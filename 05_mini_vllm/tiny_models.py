@@ -37,6 +37,18 @@ def model_path(name: str) -> Path:
     return path
 
 
+def corpus_files(split: str) -> list[Path]:
+    """The models' training ("train") or held-out ("val") standard-library files,
+    in the order of `models/corpus_files.txt`, as far as this interpreter has them."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rows = [ln.split("\t") for ln in (models_dir() / "corpus_files.txt").read_text().splitlines()
+            if ln and not ln.startswith("#")]
+    return [root / r[1] for r in rows if r[0] == split and (root / r[1]).is_file()]
+
+
 def load_tiny_tokenizer(name: str = TARGET_NAME):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer

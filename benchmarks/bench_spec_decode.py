@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sysconfig
 import time
 from pathlib import Path
 
@@ -33,18 +32,10 @@ import torch
 
 from engine_workloads import sample_requests
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.tiny_models import load_tiny_tokenizer, model_path, models_dir
+from mini_vllm.tiny_models import corpus_files, load_tiny_tokenizer, model_path
 
 TARGET, DRAFT = str(model_path("tiny-py-target")), str(model_path("tiny-py-draft"))
 EDITOR = str(model_path("tiny-py-editor"))
-
-
-def held_out_files() -> list[Path]:
-    """The stdlib files that no tiny model was trained on."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rows = [ln.split("\t") for ln in (models_dir() / "corpus_files.txt").read_text().splitlines()
-            if ln.startswith("val\t")]
-    return [root / rel for _, rel, *_ in rows if (root / rel).is_file()]
 
 
 def editing_prompts(n: int, tok, renamed: bool = False) -> list[tuple[list[int], int]]:
@@ -53,7 +44,7 @@ def editing_prompts(n: int, tok, renamed: bool = False) -> list[tuple[list[int],
     change). max_tokens is the length of the rest of the function, so a request
     ends where the edited code ends (plus a few tokens of slack)."""
     out = []
-    for path in held_out_files():
+    for path in corpus_files("val"):  # held-out files: no model was trained on them
         text = path.read_text(encoding="utf-8", errors="replace")
         for m in re.finditer(r"\n(def [^\n]+\n(?:    [^\n]*\n|\n){8,30})", text):
             body = m.group(1)

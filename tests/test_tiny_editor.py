@@ -8,7 +8,6 @@ intact, and that the card states what the files measure.
 """
 import json
 import re
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,9 @@ def tok():
 
 @pytest.fixture(scope="module")
 def heldout_ids(tok):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rows = [ln.split("\t")[:2] for ln in (tiny_models.models_dir() / "corpus_files.txt").read_text().splitlines()
-            if ln.startswith("val\t")]
     ids = []
-    for _, rel in rows:
-        if (root / rel).is_file():
-            ids += tok.encode((root / rel).read_text(encoding="utf-8")) + [tok.eos_token_id]
+    for path in tiny_models.corpus_files("val"):
+        ids += tok.encode(path.read_text(encoding="utf-8")) + [tok.eos_token_id]
     assert len(ids) > 20_000, "held-out files missing: models/corpus_files.txt does not match this Python"
     return torch.tensor(ids)
 
