@@ -60,18 +60,13 @@ def editing_prompts(n: int, tok, renamed: bool = False) -> list[tuple[list[int],
     return out
 
 
-def run(prompts, max_tokens, spec=None, trials: int = 3, model: str = TARGET):
+def run(prompts, sp, spec=None, trials: int = 3, model: str = TARGET):
     """Best of `trials` runs (the machine is shared); prefix caching off so that
-    later runs do not skip the prompts. `prompts` holds (token ids, max_tokens)
-    pairs when `max_tokens` is None (requests stop at their own length or EOS)."""
+    later runs do not skip the prompts. `sp`: one SamplingParams or one per prompt."""
     llm = LLM(model, dtype="float32", kv_cache_memory_bytes=64 << 20, speculative_config=spec,
               enable_prefix_caching=False)
-    if max_tokens is None:
-        sp = [SamplingParams(max_tokens=m, temperature=0) for _, m in prompts]
-        prompts = [p for p, _ in prompts]
-    else:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8, temperature=0),
+                 use_tqdm=False)  # warm-up
     best = float("inf")
     for _ in range(trials):
         t = time.perf_counter()
@@ -118,10 +113,14 @@ def main() -> None:
                  "prompt_lookup_max": 4} if method == "ngram" else
                 {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k})
         for batch in (1, 8):
-            ps = prompts[:batch]
-            max_tokens = None if method == "ngram" else args.max_tokens  # editing: each its own length
-            t0, base, _ = run(ps, max_tokens, model=model)
-            t1, got, st = run(ps, max_tokens, spec, model=model)
+            if method == "ngram":  # editing: (prompt, length of the rest of its function) pairs
+                ps = [p for p, _ in prompts[:batch]]
+                sp = [SamplingParams(max_tokens=m, temperature=0) for _, m in prompts[:batch]]
+            else:
+                ps, sp = prompts[:batch], SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                         ignore_eos=True)
+            t0, base, _ = run(ps, sp, model=model)
+            t1, got, st = run(ps, sp, spec, model=model)
             if got != base:
                 raise SystemExit(f"{method} k={k} batch={batch}: tokens differ from no speculation")
             a = st["acceptance_rate"]
