@@ -78,7 +78,7 @@ def run(model: str, chunked: bool, decode_prompts, long_prompt) -> tuple[list[fl
     return itls, window
 
 
-def scenario(title: str, model: str, decode_prompts, long_prompt, trials: int) -> float:
+def scenario(title: str, model: str, decode_prompts, long_prompt, trials: int) -> None:
     print(f"{title}: {len(long_prompt)}-token prompt, budget {BUDGET} "
           f"(linear-work bound {len(long_prompt) / BUDGET:.2f}x)")
     res = {}
@@ -95,7 +95,6 @@ def scenario(title: str, model: str, decode_prompts, long_prompt, trials: int) -
               f"p99 {p99 * 1e3:7.1f} ms  max {mx * 1e3:7.1f} ms ({len(runs[0][0])} ITLs)")
     r = res[False] / res[True]
     print(f"  window p99 ITL unchunked / chunked: {r:.2f}x (goal >= {GOAL}x)  {'MET' if r >= GOAL else 'NOT MET'}\n")
-    return r
 
 
 def main() -> None:
