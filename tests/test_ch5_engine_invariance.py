@@ -1,4 +1,5 @@
-"""Greedy output must not depend on how the engine schedules the work.
+"""Greedy output, and a seeded request's output, must not depend on how the
+engine schedules the work.
 
 Oracle: every request run alone (max_num_seqs=1, a large budget, no prefix
 cache). Variations, drawn by hypothesis: batching, chunked prefill (a small
@@ -14,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_utils import assert_pool_full, make_llm, run_greedy
+from mini_vllm import SamplingParams
 
 VOCAB = 6144
 
@@ -89,6 +91,29 @@ def test_preemption_really_happens_and_changes_nothing(mode):
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
     for p, g in zip(prompts, got):
         assert g == list(_alone(tuple(p), 30)), f"{mode} preemption changed a request's tokens"
+    assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_invariant_under_preemption(mode):
+    """A seeded request's generator lives as long as the request: a preempted
+    request, recomputed or swapped back in, continues its draws where it
+    stopped, so its tokens equal those of the same requests in a cache that
+    never preempts."""
+    prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
+
+    def run(**kw):
+        llm = make_llm(block_size=8, max_model_len=128, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    _, want = run()
+    llm, got = run(num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, (f"seeded request {i} changed under {mode} preemption: its generator was reset or "
+                        f"re-created when it was preempted instead of continuing its draws\n got  {g}\n want {w}")
     assert_pool_full(llm)
 
 
