@@ -28,13 +28,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, startup_timeout: float = 90.0) -> None:
+    def __init__(self, *extra: str, startup_timeout: float = 90.0, model: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/mini_vllm_server_{self.port}.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("MINI_VLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "mini_vllm", "serve", target_path(), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "mini_vllm", "serve", model or target_path(), "--port", str(self.port),
                "--served-model-name", SERVED_NAME, "--device", "cpu", "--kv-cache-memory-bytes",
                str(SERVER_KV), "--chat-template", TEMPLATE, "--log-level", "warning", *extra]
         self._log = open(self.log_path, "w")
