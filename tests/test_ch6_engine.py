@@ -146,7 +146,7 @@ def test_cache_salt_isolates_tenants(pool_name):
     assert st.hit_blocks == len(p) // BS and got["b3"] == ref["a"], "same salt must hit"
 
 
-def test_other_dtype_and_other_model_never_hit(pool_name, tmp_path):
+def test_other_dtype_never_hits(pool_name):
     _, prompts = prompts_with_prefix(3, 2, 96, 40)
     a = make_llm(kv_transfer_config=tc(pool_name))
     run_greedy(a, prompts, 2)
@@ -157,28 +157,45 @@ def test_other_dtype_and_other_model_never_hit(pool_name, tmp_path):
     run_greedy(b16, prompts, 2)
     assert b16.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, \
         "a bfloat16 engine loaded float32 blocks"
-    # Same architecture and files, one tensor changed: only the model fingerprint differs.
+
+
+def _model_with_one_tensor_changed(dest: pathlib.Path) -> str:
+    """The tiny target with one weight scaled: same architecture, dtype and files."""
     from safetensors.torch import load_file, save_file
     src = pathlib.Path(target_path())
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, tmp_path / f.name)
+            shutil.copy(f, dest / f.name)
     for f in src.glob("*.safetensors"):
         w = load_file(f)
         name = sorted(k for k in w if "layers.2." in k and "weight" in k)[0]
         w[name] = w[name] * 1.5
-        save_file(w, tmp_path / f.name, metadata={"format": "pt"})
+        save_file(w, dest / f.name, metadata={"format": "pt"})
+    return str(dest)
+
+
+def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path):
+    """Engine A writes the pool, then an engine with other weights (same layout:
+    only the model fingerprint differs) reads it with nothing written in
+    between: none of A's blocks may load, whatever the serialised header says."""
     from mini_vllm.global_cache import model_content_id
+    other_path = _model_with_one_tensor_changed(tmp_path)
     same = tmp_path / "copy"
-    shutil.copytree(src, same)
-    assert model_content_id(str(same)) == model_content_id(str(src)), \
+    shutil.copytree(target_path(), same)
+    assert model_content_id(str(same)) == model_content_id(target_path()), \
         "the fingerprint must follow content, not the path (machines mount models elsewhere)"
-    assert model_content_id(str(tmp_path)) != model_content_id(str(src))
-    other = make_llm(str(tmp_path), kv_transfer_config=tc(pool_name))
+    assert model_content_id(other_path) != model_content_id(target_path())
+    _, prompts = prompts_with_prefix(3, 2, 96, 40)
+    a = make_llm(kv_transfer_config=tc(pool_name))
+    run_greedy(a, prompts, 2)
+    flush(a)
+    assert len(get_local_pool(pool_name, 1)) == 6 + 2 * 2, "A should have saved every full block once"
+    other = make_llm(other_path, kv_transfer_config=tc(pool_name))
     out = run_greedy(other, prompts, 2)
-    assert other.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, \
-        "an engine with other weights loaded this model's blocks"
-    assert out == run_greedy(make_llm(str(tmp_path)), prompts, 2)
+    assert other.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, (
+        "an engine with other weights loaded this model's blocks: the store key must include the model "
+        "fingerprint")
+    assert out == run_greedy(make_llm(other_path), prompts, 2)
 
 
 def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference):

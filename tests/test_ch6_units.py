@@ -129,9 +129,11 @@ def make_conn(gc, role="kv_both", store=None):
                                    store if store is not None else LocalLRUPool(1 << 20))
 
 
-def fill(conn, tokens, n_blocks, salt=None, corrupt=()):
+def fill(conn, tokens, n_blocks, salt=None, corrupt=(), missing=()):
     hashes = hash_request_tokens(LAYOUT.block_size, tokens, cache_salt=salt)
     for i in range(n_blocks):
+        if i in missing:
+            continue
         key = conn.key(hashes[i])
         data = bytearray(conn.pack_block(key, block_for(i)))
         if i in corrupt:
@@ -166,13 +168,41 @@ def test_last_token_is_never_external(chapter):
         "the last token must be computed to sample from it"
 
 
-def test_a_gap_or_corrupt_block_ends_the_match(chapter):
+def test_a_corrupt_block_ends_the_match(chapter):
     gc = chapter("global_cache")
     conn = make_conn(gc)
     fill(conn, TOKENS, 5, corrupt={2})
     assert conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 8, \
         "a corrupt block is a miss, and blocks after it chain through it"
     assert conn.stats.corrupt_blocks == 1
+
+
+@pytest.mark.parametrize("missing", [{0}, {2}, {4}, {1, 3}])
+def test_a_missing_block_ends_the_match(chapter, missing):
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, 5, missing=missing)
+    want = min(missing) * LAYOUT.block_size
+    got = conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0]
+    assert got == want, (f"blocks {sorted(missing)} missing from the store: matched {got} tokens, want {want}; "
+                         "a gap must end the match (the blocks after it chain through a block that is not "
+                         "there, so they are no prefix of this request)")
+    assert conn.stats.corrupt_blocks == 0, "a missing block is a miss, not a corrupt block"
+
+
+def test_another_model_never_matches(chapter):
+    """Same KV layout, other model: only the fingerprint tells the blocks apart,
+    and serialised values carry no model id to catch it later."""
+    gc = chapter("global_cache")
+    conn = make_conn(gc)
+    fill(conn, TOKENS, 5)
+    tc = KVTransferConfig.from_dict({"kv_role": "kv_both"})
+    other = gc.GlobalCacheConnector(tc, KVConnectorRole.SCHEDULER, dataclasses.replace(LAYOUT, model_id="m2"),
+                                    conn.store)
+    assert other.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 0, (
+        "a connector for another model matched this model's blocks: the store key must include the "
+        "model fingerprint")
+    assert conn.get_num_new_matched_tokens(Req("b", TOKENS), 0)[0] == 20, "set-up: the same model must match"
 
 
 def test_salt_and_role_gate_matching(chapter):
