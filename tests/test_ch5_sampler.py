@@ -99,24 +99,77 @@ def test_seeded_rows_reproducible_and_batch_invariant():
 
 
 # ---------------------------------------------------------- (d) penalties
-def test_penalties_match_hand_computation():
-    raw = [1.5, -0.5, 2.0, 0.8, -1.0, 0.2]
-    prompt, output = [1, 2], [2, 3, 3]
+PEN_RAW = [1.5, -0.5, 2.0, 0.8, -1.0, 0.2]
+PEN_PROMPT, PEN_OUTPUT = [1, 2], [2, 3, 3]  # token 1: prompt only; 2: both; 3: output, twice; 0, 4, 5: unseen
+
+
+def _penalised(**penalty) -> list[float]:
+    md = build([SamplingParams(temperature=0.0, **penalty)], 6, prompts=[PEN_PROMPT], outputs=[PEN_OUTPUT])
+    return apply_penalties(torch.tensor([PEN_RAW]), md)[0].tolist()
+
+
+def _close(a, b):
+    return abs(a - b) < 1e-6
+
+
+def test_repetition_penalty_counts_prompt_and_output_tokens_once_sign_aware():
+    r = 2.0
+    got = _penalised(repetition_penalty=r)
+    for t in (0, 4, 5):
+        assert _close(got[t], PEN_RAW[t]), f"repetition penalty changed token {t}, which is in neither prompt nor output"
+    assert not _close(got[1], PEN_RAW[1]), \
+        "repetition penalty ignored the prompt tokens (token 1 occurs in the prompt only; vLLM counts prompt + output)"
+    assert not _close(got[3], PEN_RAW[3]), "repetition penalty ignored the output tokens (token 3 occurs in the output)"
+    assert _close(got[1], PEN_RAW[1] * r), (f"repetition penalty on a negative logit gave {got[1]}, want "
+                                            f"{PEN_RAW[1] * r}: it must multiply by r (push down), not divide")
+    assert _close(got[2], PEN_RAW[2] / r), f"repetition penalty on a positive logit gave {got[2]}, want {PEN_RAW[2] / r}"
+    assert _close(got[3], PEN_RAW[3] / r), (f"repetition penalty on token 3 (output twice) gave {got[3]}, want "
+                                            f"{PEN_RAW[3] / r}: it applies once per seen token, not per occurrence")
+
+
+def test_frequency_penalty_counts_output_occurrences_only():
+    f = 0.5
+    got = _penalised(frequency_penalty=f)
+    assert _close(got[1], PEN_RAW[1]), ("frequency penalty counted prompt tokens (token 1 occurs in the prompt only); "
+                                        "it counts output tokens only")
+    assert _close(got[2], PEN_RAW[2] - f), (f"frequency penalty on token 2 (prompt once, output once) gave {got[2]}, "
+                                            f"want {PEN_RAW[2] - f}: prompt occurrences must not count")
+    assert _close(got[3], PEN_RAW[3] - 2 * f), (
+        f"frequency penalty on token 3 (output twice) gave {got[3]}, want {PEN_RAW[3] - 2 * f}"
+        + (": it counted presence (0/1) instead of occurrences" if _close(got[3], PEN_RAW[3] - f) else ""))
+    for t in (0, 4, 5):
+        assert _close(got[t], PEN_RAW[t]), f"frequency penalty changed token {t}, which is not in the output"
+
+
+def test_presence_penalty_is_once_per_output_token():
+    p = 0.25
+    got = _penalised(presence_penalty=p)
+    assert _close(got[1], PEN_RAW[1]), ("presence penalty counted prompt tokens (token 1 occurs in the prompt only); "
+                                        "it looks at output tokens only")
+    assert _close(got[2], PEN_RAW[2] - p), f"presence penalty on token 2 (in the output) gave {got[2]}, want {PEN_RAW[2] - p}"
+    assert _close(got[3], PEN_RAW[3] - p), (
+        f"presence penalty on token 3 (output twice) gave {got[3]}, want {PEN_RAW[3] - p}"
+        + (": it counted occurrences (a frequency penalty), not presence" if _close(got[3], PEN_RAW[3] - 2 * p) else ""))
+    for t in (0, 4, 5):
+        assert _close(got[t], PEN_RAW[t]), f"presence penalty changed token {t}, which is not in the output"
+
+
+def test_penalties_combined_and_rows_without_penalties():
     rep, freq, pres = 2.0, 0.5, 0.25
     want = []
-    for t, x in enumerate(raw):
-        if t in prompt or t in output:  # repetition: prompt and output, sign-aware
+    for t, x in enumerate(PEN_RAW):
+        if t in PEN_PROMPT or t in PEN_OUTPUT:  # repetition first, then frequency and presence
             x = x / rep if x > 0 else x * rep
-        x -= freq * output.count(t)  # frequency and presence: output only
-        x -= pres * (t in output)
-        want.append(x)
+        want.append(x - freq * PEN_OUTPUT.count(t) - pres * (t in PEN_OUTPUT))
     params = [SamplingParams(temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres),
               SamplingParams(temperature=0.0)]
-    md = build(params, 6, prompts=[prompt, [0, 1, 2, 3]], outputs=[output, [2, 2]])
-    logits = torch.tensor([raw, raw])
+    md = build(params, 6, prompts=[PEN_PROMPT, [0, 1, 2, 3]], outputs=[PEN_OUTPUT, [2, 2]])
+    logits = torch.tensor([PEN_RAW, PEN_RAW])
     got = apply_penalties(logits, md)
-    assert torch.allclose(got[0], torch.tensor(want), atol=1e-6), f"penalised logits {got[0].tolist()} != {want}"
-    assert torch.equal(got[1], logits[1]), "a row without penalties must be left untouched"
+    assert torch.allclose(got[0], torch.tensor(want), atol=1e-6), (
+        f"all three penalties together gave {got[0].tolist()}, want {want} (repetition divides or multiplies "
+        "before frequency and presence subtract)")
+    assert torch.equal(got[1], logits[1]), "a row without penalties must be left untouched by its neighbour's"
     # Raw argmax is token 2; after penalties token 0 wins: the sampler must argmax the penalised logits.
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [0, 2], "greedy must see the penalised logits"
 
