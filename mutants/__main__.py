@@ -1,4 +1,4 @@
-"""`python -m mutants [--chapter 1|2|3|4|5] [--only NAME] [--no-baseline]`
+"""`python -m mutants [--chapter 1|2|3|4|5|6] [--only NAME] [--no-baseline]`
 
 Runs each chapter's mutants against its tests and prints one row per mutant:
 chapter, mutant, caught or not, seconds, first failure message. Exits 1 if any
@@ -13,7 +13,7 @@ import time
 
 from mutants.core import HEADER, MutantError, format_row, run_catalogue
 
-CHAPTERS = ("1", "2", "3", "4", "5")
+CHAPTERS = ("1", "2", "3", "4", "5", "6")
 
 
 def load(chapters) -> dict:

@@ -57,13 +57,22 @@ def test_block_round_trip_is_bit_exact(chapter, dtype):
     assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), "round trip changed bytes"
 
 
+def _rejects(gc, key, data, layout, why):
+    """unpack_block must raise CorruptBlockError (not return KV, not another error)."""
+    try:
+        gc.unpack_block(key, data, layout)
+    except gc.CorruptBlockError as e:
+        return e
+    pytest.fail(f"unpack_block returned KV for {why}")
+
+
 @given(pos=st.integers(0, 10_000), bit=st.integers(0, 7))
 def test_any_flipped_bit_is_rejected(chapter, pos, bit):
     gc = chapter("global_cache")
     data = bytearray(gc.pack_block("k", block_for(2)))
     data[pos % len(data)] ^= 1 << bit
-    with pytest.raises(gc.CorruptBlockError):
-        gc.unpack_block("k", bytes(data), LAYOUT)
+    _rejects(gc, "k", bytes(data), LAYOUT, f"a value with bit {bit} of byte {pos % len(data)} flipped: "
+             "the checksum must cover header and payload")
 
 
 def test_truncated_foreign_and_other_layout_values_are_rejected(chapter):
@@ -74,8 +83,8 @@ def test_truncated_foreign_and_other_layout_values_are_rejected(chapter):
         with pytest.raises(gc.CorruptBlockError):
             gc.unpack_block("k", bad, LAYOUT)
             pytest.fail(why)
-    with pytest.raises(gc.CorruptBlockError, match="another key"):
-        gc.unpack_block("other", data, LAYOUT)  # a value stored under the wrong key
+    e = _rejects(gc, "other", data, LAYOUT, "a value stored under another key (foreign value): check the key digest")
+    assert "another key" in str(e), f"the error for a foreign value must say so ('another key'), got {e}"
     with pytest.raises(gc.CorruptBlockError):  # same byte count, other dtype
         gc.unpack_block("k", data, dataclasses.replace(LAYOUT, dtype="float16", head_dim=6))
 
@@ -209,9 +218,12 @@ def test_salt_and_role_gate_matching(chapter):
     gc = chapter("global_cache")
     conn = make_conn(gc)
     fill(conn, TOKENS, 5, salt="tenant-a")
-    assert conn.get_num_new_matched_tokens(Req("a", TOKENS, "tenant-b"), 0)[0] == 0
-    assert conn.get_num_new_matched_tokens(Req("b", TOKENS, None), 0)[0] == 0
-    assert conn.get_num_new_matched_tokens(Req("c", TOKENS, "tenant-a"), 0)[0] == 20
+    assert conn.get_num_new_matched_tokens(Req("a", TOKENS, "tenant-b"), 0)[0] == 0, \
+        "tenant-b matched blocks stored under tenant-a's cache salt"
+    assert conn.get_num_new_matched_tokens(Req("b", TOKENS, None), 0)[0] == 0, \
+        "a request without a cache salt matched blocks stored under a salt"
+    assert conn.get_num_new_matched_tokens(Req("c", TOKENS, "tenant-a"), 0)[0] == 20, \
+        "the same cache salt must match: the keys must hash the request's salt as Chapter 2 does"
     prod = make_conn(gc, "kv_producer", conn.store)
     assert prod.get_num_new_matched_tokens(Req("d", TOKENS, "tenant-a"), 0)[0] == 0, \
         "a kv_producer never loads"
@@ -225,7 +237,11 @@ def test_store_down_is_a_counted_miss(chapter):
             raise StoreUnavailable("down")
 
     conn = make_conn(gc, store=Down(1 << 20))
-    assert conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 0
+    try:
+        n = conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0]
+    except StoreUnavailable:
+        pytest.fail("a store that is down made the lookup raise: it must be a counted miss (a recompute)")
+    assert n == 0
     assert conn.stats.store_errors == 1
 
 
