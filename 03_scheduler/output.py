@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     logprobs: dict | None = None
     # req_id -> draft tokens proposed for the next step (speculative decoding).
     spec_token_ids: dict | None = None
+    # req_id -> (token_ids, logprobs, ranks) of every prompt position after the
+    # first, sent once, on the step that completes the prompt (prompt_logprobs).
+    prompt_logprobs_dict: dict | None = None
 
     @classmethod
     def from_dict(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":

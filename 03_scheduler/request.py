@@ -148,6 +148,13 @@ class Request:
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True for a request that must compute every prompt token itself (vLLM:
+        prompt logprobs need the logits of cached tokens too); its blocks are
+        still cached for others."""
+        return bool(getattr(self.sampling_params, "skip_reading_prefix_cache", False))
+
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 

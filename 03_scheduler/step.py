@@ -63,6 +63,8 @@ class StepState:
         so counting every lookup would inflate the statistics; `try_admit`
         records one lookup per admission instead (`_record_hits`).
         """
+        if getattr(req, "skip_reading_prefix_cache", False):  # vLLM: no lookup, not counted
+            return [], 0
         st = self.kv.prefix_cache_stats
         saved = (st.requests, st.queries, st.hits)
         blocks, n = self.kv.get_computed_blocks(req)
@@ -77,7 +79,7 @@ class StepState:
         """Count one prefix-cache lookup for an admitted request (a request
         re-admitted after a recompute preemption looks up again and counts
         again, as vLLM does)."""
-        if self.kv.enable_caching:
+        if self.kv.enable_caching and not getattr(req, "skip_reading_prefix_cache", False):
             st = self.kv.prefix_cache_stats
             st.requests += 1
             st.queries += req.num_tokens
@@ -176,7 +178,7 @@ class StepState:
             hit_blocks, n_hit, computed = [], 0, req.num_computed_tokens
         else:
             hit_blocks, n_hit = self._hits(req)
-            if getattr(s, "connector", None) is not None:
+            if getattr(s, "connector", None) is not None and not getattr(req, "skip_reading_prefix_cache", False):
                 n_ext = s.connector.get_num_new_matched_tokens(req, n_hit)[0]
             computed = n_hit + n_ext
         d = self.delta(req, computed, req.num_tokens)

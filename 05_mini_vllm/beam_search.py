@@ -127,6 +127,10 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
     sps = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, logprobs=2 * p.beam_width,
                           ignore_eos=True) for p in plist]
     toks = [engine.process_inputs(p, sp)[1] for p, sp in zip(prompts, sps)]  # all or nothing
+    for t, p in zip(toks, plist):  # every beam runs max_tokens steps: they must fit the context
+        if len(t) + p.max_tokens > engine.max_model_len:
+            raise ValueError(f"max_tokens must be <= max_model_len - prompt length = "
+                             f"{engine.max_model_len - len(t)}, got {p.max_tokens}")
     eos = engine.eos_token_id
     sched = core.scheduler
     searches: dict[str, _PromptSearch] = {}  # request id -> its prompt's search

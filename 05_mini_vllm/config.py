@@ -57,6 +57,13 @@ class EngineConfig:
     log_stats: bool = False
     speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
     stats_log_interval_s: float = 5.0
+    # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask
+    # for (-1: the whole vocabulary). The server passes vLLM's default, 20;
+    # offline the course keeps no cap (tests compare whole distributions).
+    max_logprobs: int = -1
+    # vLLM's --generation-config: "auto" (the model folder's generation_config.json
+    # gives default sampling parameters), "vllm" (ignore it) or a folder holding one.
+    generation_config: str = "auto"
     # Chapter 6: vLLM's KVTransferConfig shape ({"kv_connector", "kv_role",
     # "kv_connector_extra_config"}); None = no KV connector.
     kv_transfer_config: dict | None = None
@@ -89,6 +96,11 @@ class EngineConfig:
         if self.swap_space < 0 or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError("swap_space must be >= 0 GiB and num_cpu_blocks an int >= 0, "
                              f"got {self.swap_space!r} and {self.num_cpu_blocks!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or an int >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                             f"got {self.generation_config!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

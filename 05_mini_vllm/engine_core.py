@@ -102,8 +102,10 @@ class EngineCore:
             self._set_drafts(mro.spec_token_ids)
         t3 = time.perf_counter()
         lps = mro.logprobs or {}
+        plps = getattr(mro, "prompt_logprobs_dict", None) or {}
         for o in outputs:
             o.logprobs = lps.get(o.request_id, [])[:len(o.new_token_ids)]
+            o.prompt_logprobs = plps.get(o.request_id)
         res = EngineCoreStep(outputs, self.make_stats())
         for nr in so.scheduled_new_reqs:
             if nr.req_id not in self._seen:

@@ -34,6 +34,9 @@ class CachedRequestState:
     eos_token_id: int | None
     generator: torch.Generator | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs (prompt_logprobs set): filled chunk by chunk, sent once.
+    prompt_logprobs_in_progress: tuple | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -45,6 +45,22 @@ def load_tokenizer(path: str):
         return None
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (vLLM's
+    `update_from_tokenizer`: a word is banned at the start of the text and
+    inside it); the spaced form only when it is a different word of as many tokens."""
+    out = []
+    for w in words:
+        plain = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entries must tokenize to at least one token, got {w!r}")
+        out.append(list(plain))
+        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(list(spaced))
+    return out
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.config = config
@@ -99,12 +115,40 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({limit}) to leave room for output")
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"max_tokens must be <= max_model_len - prompt length = "
-                             f"{limit - len(ids)}, got {params.max_tokens}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
-        return text, ids, params
+        return text, ids, self._check_params(params, len(ids))
+
+    def _check_params(self, params: SamplingParams, n_prompt: int) -> SamplingParams:
+        """What only the engine can check (vocabulary, tokenizer, grammar, context);
+        returns the params to run, a copy when something had to be set."""
+        vocab, limit = self.model_config.vocab_size, self.max_model_len
+        cap = vocab if self.config.max_logprobs == -1 else min(vocab, self.config.max_logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > cap:
+                raise ValueError(f"{name} must be in [0, {cap}] (max_logprobs), got {v}")
+        for name, toks in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must lie in [0, {vocab}) (the vocabulary), got {bad[:5]}")
+        copy = None
+        if params.bad_words and not params._bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer; this model folder has none")
+            copy = params.clone()
+            copy._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; this model folder has none")
+            from mini_vllm.structured_output import get_backend
+
+            path = self.config.tokenizer or self.config.model
+            get_backend(path, vocab, self.tokenizer).compile(params.structured_outputs)  # cached for the runner
+        if n_prompt + params.max_tokens > limit:
+            # vLLM serves such a request and stops it at the context limit ("length").
+            copy = copy or params.clone()
+            copy.max_tokens = limit - n_prompt
+            copy.min_tokens = min(copy.min_tokens, copy.max_tokens)
+        return copy or params
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,

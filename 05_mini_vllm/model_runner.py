@@ -11,8 +11,11 @@ One `execute_model(scheduler_output)` call:
 3. builds input ids, positions, slot mapping, block tables, query start
    locations and sequence lengths for the whole mixed batch (vectorised);
 4. runs the model once, computes logits only at the rows that sample
-   (the last scheduled token of a request whose prompt is complete);
-5. samples and returns the tokens (and logprobs) per request.
+   (the last scheduled token of a request whose prompt is complete), plus
+   every prompt row of a request that asked for prompt logprobs;
+5. samples and returns the tokens (and logprobs) per request; prompt
+   logprobs go back once, on the step that completes the prompt (vLLM's
+   `_get_prompt_logprobs_dict`), so chunked prefill fills them piece by piece.
 Nothing here reads the scheduler's Request objects, so a tensor-parallel
 executor can broadcast the same SchedulerOutput to every worker.
 """
@@ -24,7 +27,7 @@ import torch
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
-from mini_vllm.sampler import Sampler
+from mini_vllm.sampler import Sampler, gather_logprobs
 from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.spec_verify import SpecVerifier, spec_eligible
@@ -50,12 +53,17 @@ class ModelRunner:
         self.kv_connector = None
         self.spec_verifier = SpecVerifier(self.device)
         self.drafter = None  # set by the worker when speculative decoding is on
+        # Structured outputs: the tokenizer folder (set by the worker) and one
+        # grammar per constrained request, built on its first sampling step.
+        self.tokenizer_path: str | None = None
+        self.grammars: dict = {}
 
     # ---------------------------------------------------------- 1. states
     def _update_states(self, so) -> None:
         batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.grammars.pop(rid, None)
             batch.remove_request(rid)
             if self.drafter is not None:
                 self.drafter.free(rid)
@@ -182,6 +190,7 @@ class ModelRunner:
                 sampled.update(zip(rids, emitted))
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
+        mro.prompt_logprobs_dict = self._prompt_logprobs(hidden, req_ids, md) or None
         if self.drafter is not None:
             mro.spec_token_ids = self._propose_drafts(sampled)
         return mro
@@ -191,7 +200,8 @@ class ModelRunner:
         md_s = SamplingMetadata.from_params(
             [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
-            [s.eos_token_id for s in states], self.vocab_size, logits.device)
+            [s.eos_token_id for s in states], self.vocab_size, logits.device,
+            token_bitmask=self._grammar_bitmask(states))
         out = self.sampler(logits, md_s)
         toks = out.sampled_token_ids.tolist()
         lp = out.logprobs_tensors
@@ -203,6 +213,60 @@ class ModelRunner:
             n_lp = getattr(st.sampling_params, "logprobs", None)
             if lp is not None and n_lp is not None:
                 logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+
+    def _grammar_bitmask(self, states):
+        """One bitmask row per sampling request; None when none is constrained."""
+        rows = [(j, st) for j, st in enumerate(states)
+                if getattr(st.sampling_params, "structured_outputs", None) is not None]
+        if not rows:
+            return None
+        from mini_vllm.structured_output import get_backend
+
+        backend = get_backend(self.tokenizer_path, self.vocab_size)
+        bitmask = backend.allocate_bitmask(len(states))
+        for j, st in rows:
+            g = self.grammars.get(st.req_id)
+            if g is None:
+                g = self.grammars[st.req_id] = backend.new_grammar(st.sampling_params.structured_outputs)
+            g.advance(st.output_token_ids)
+            g.fill_bitmask(bitmask, j)
+        return bitmask
+
+    def _prompt_logprobs(self, hidden, req_ids: list[str], md) -> dict:
+        """Log-softmax of the raw logits at every prompt row of this step, for
+        requests with prompt_logprobs. Row p predicts prompt token p + 1, so a
+        prompt of P tokens has P - 1 entries; the chunk starting at position s
+        with q tokens fills entries s .. min(s + q, P - 1) - 1. Raw logits, as
+        vLLM's default logprobs mode: no temperature or penalty applies to a
+        prompt. A request preempted mid-prompt recomputes and rewrites the same
+        entries."""
+        out, start_row = {}, 0
+        for i, rid in enumerate(req_ids):
+            q = md.query_lens_cpu[i]
+            row0, start_row = start_row, start_row + q
+            st = self.requests[rid]
+            k = getattr(st.sampling_params, "prompt_logprobs", None)
+            if k is None or st.prompt_logprobs_sent:
+                continue
+            n_prompt = len(st.prompt_token_ids)
+            start = md.seq_lens_cpu[i] - q  # tokens computed before this step
+            if st.prompt_logprobs_in_progress is None:
+                st.prompt_logprobs_in_progress = (np.zeros((n_prompt - 1, k + 1), np.int64),
+                                                  np.zeros((n_prompt - 1, k + 1), np.float32),
+                                                  np.zeros(n_prompt - 1, np.int64))
+            n = min(q, n_prompt - 1 - start)
+            if n > 0:
+                logits = self.model.compute_logits(hidden[row0:row0 + n])
+                targets = torch.tensor(st.prompt_token_ids[start + 1:start + 1 + n], device=logits.device)
+                lp = gather_logprobs(logits.float(), k, targets)
+                ids, vals, ranks = st.prompt_logprobs_in_progress
+                ids[start:start + n] = lp.logprob_token_ids.cpu().numpy()
+                vals[start:start + n] = lp.logprobs.cpu().numpy()
+                ranks[start:start + n] = lp.selected_token_ranks.cpu().numpy()
+            if start + q >= n_prompt:  # the prompt is complete: this step samples its first token
+                out[rid] = tuple(a.tolist() for a in st.prompt_logprobs_in_progress)
+                st.prompt_logprobs_in_progress, st.prompt_logprobs_sent = None, True
+        return out
 
     def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step, from the tokens known after this one."""

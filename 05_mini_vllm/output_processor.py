@@ -48,6 +48,8 @@ class RequestState:
                         for i in range(n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None  # PromptLogprobs once the prompt is computed
+        self.prompt_logprobs_sent = False  # "delta" outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -108,6 +110,8 @@ class OutputProcessor:
             self._timing(st, smp, len(o.new_token_ids), now, it)
             smp.token_ids.extend(o.new_token_ids)
             self._logprobs(smp, o)
+            if getattr(o, "prompt_logprobs", None) is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = self._prompt_logprobs(o.prompt_logprobs)
             reason = o.finish_reason
             stop_tok = reason == "stop" and bool(o.new_token_ids)
             if stop_tok and o.new_token_ids[-1] in st.params.stop_token_ids:
@@ -154,6 +158,16 @@ class OutputProcessor:
             smp.logprobs.append(d)
             smp.cumulative_logprob += float(lps[0])
 
+    def _prompt_logprobs(self, entries) -> list:
+        """(ids, logprobs, ranks) per prompt position after the first -> PromptLogprobs."""
+        out: list = [None]
+        for ids, lps, rank in zip(*entries):
+            d = {int(ids[0]): Logprob(float(lps[0]), int(rank), self._text(ids[0]))}
+            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                d.setdefault(int(t), Logprob(float(lp), r, self._text(t)))
+            out.append(d)
+        return out
+
     def _text(self, tok) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([int(tok)])
 
@@ -181,5 +195,8 @@ class OutputProcessor:
             comps.append(CompletionOutput(s.index, s.detok.get_next_output_text(done, delta), toks,
                                           s.cumulative_logprob, lps, s.finish_reason, s.stop_reason))
             s.sent_tokens = len(s.token_ids)
+        plp = st.prompt_logprobs
+        if delta and plp is not None:
+            plp, st.prompt_logprobs_sent = (None if st.prompt_logprobs_sent else plp), True
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, comps, finished,
-                             st.metrics, st.num_cached_tokens)
+                             st.metrics, st.num_cached_tokens, plp)

@@ -22,6 +22,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then
+# token id -> Logprob for the prompt token itself and the top-N at that position.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -74,6 +77,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
 
     def __repr__(self) -> str:
         outs = ", ".join(f"#{o.index} {o.text!r} ({o.finish_reason})" for o in self.outputs)

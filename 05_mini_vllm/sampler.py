@@ -4,10 +4,12 @@ vLLM counterpart: `vllm/v1/sample/sampler.py` (`Sampler`, `SamplerOutput`,
 `LogprobsTensors` in `vllm/v1/outputs.py`, penalties in
 `vllm/v1/sample/ops/penalties.py`).
 
-Processing order (as vLLM): min_tokens (mask stop ids) -> penalties
-(repetition over prompt + output, presence / frequency over output) -> greedy
-argmax for greedy rows -> temperature -> min-p -> top-k / top-p -> exponential
-race. Invariants:
+Processing order (as vLLM; the runner's grammar bitmask comes first, as
+`apply_grammar_bitmask` in `vllm/v1/structured_output/utils.py` runs before
+the sampler): structured-output bitmask -> allowed_token_ids -> bad_words ->
+min_tokens (mask stop ids) -> logit_bias -> penalties (repetition over prompt
++ output, presence / frequency over output) -> greedy argmax for greedy rows
+-> temperature -> min-p -> top-k / top-p -> exponential race. Invariants:
 - A greedy row's token is the argmax of its penalised logits, whatever else
   is in the batch.
 - A seeded row's noise comes from its own generator only, so its tokens do
@@ -48,6 +50,27 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[
     rows = [i for i, (_, ids) in min_tokens.items() for _ in ids]
     cols = [t for _, ids in min_tokens.values() for t in ids]
     logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the bitmask's bit is 0 (bit j of int32 word w is token 32 w + j)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 works too
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """vLLM's rule (in place): a bad word's last token is banned when the output
+    already ends with the word's other tokens (a one-token word: always)."""
+    for i, words in bad_words.items():
+        out = output_token_ids[i]
+        for w in words:
+            prefix = w[:-1]
+            if len(prefix) <= len(out) and (not prefix or list(out[len(out) - len(prefix):]) == prefix):
+                logits[i, w[-1]] = float("-inf")
     return logits
 
 
@@ -100,9 +123,18 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != md.batch_size:
             raise ValueError(f"logits must be [batch={md.batch_size}, vocab], got shape {tuple(logits.shape)}")
         logits = logits.float()
+        # Every step below that works in place clones first: the caller's logits are never modified.
+        if md.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, md.token_bitmask)
+        if md.allowed_token_ids_mask is not None:
+            logits = logits.masked_fill(md.allowed_token_ids_mask.to(logits.device), float("-inf"))
+        if md.bad_words_token_ids:
+            logits = apply_bad_words(logits.clone(), md.bad_words_token_ids, md.output_token_ids)
         if md.min_tokens:
-            # Clone first: the caller's logits are never modified.
             logits = apply_min_tokens(logits.clone(), md.min_tokens)
+        if md.logit_bias is not None:
+            rows, cols, vals = (t.to(logits.device) for t in md.logit_bias)
+            logits = logits.index_put((rows, cols), vals, accumulate=True)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 

@@ -14,6 +14,12 @@ sampler reads). Invariants:
 - min_tokens maps a row still short of its min_tokens to (min_tokens, ids to
   mask): its stop_token_ids plus EOS unless ignore_eos.
 - max_num_logprobs is the largest logprobs request of the batch, or None.
+- allowed_token_ids_mask [B, V] bool is True where a row may NOT sample (vLLM's
+  polarity), None when no row restricts; bad_words_token_ids maps a row to its
+  bad words as token-id lists; logit_bias is (rows, cols, values) to add, or
+  None; token_bitmask [B, ceil(V / 32)] int32 (bit j of word w allows token
+  32 w + j, xgrammar's layout) holds the structured-output rows, None when no
+  row is constrained.
 An all-greedy batch without penalties, min_tokens or logprobs builds only the
 temperature tensor.
 """
@@ -43,6 +49,10 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor
     repetition_penalties: torch.Tensor
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    allowed_token_ids_mask: torch.Tensor | None = None
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -58,6 +68,7 @@ class SamplingMetadata:
         eos_token_ids: list[int | None],
         vocab_size: int,
         device="cpu",
+        token_bitmask: torch.Tensor | None = None,
     ) -> "SamplingMetadata":
         """Build the batch's metadata; every list has one entry per row."""
         batch = len(params)
@@ -115,6 +126,24 @@ class SamplingMetadata:
                 if stop_ids:
                     min_tokens[i] = (p.min_tokens, stop_ids)
 
+        allowed = None
+        if any(p.allowed_token_ids for p in params):
+            allowed = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids:
+                    allowed[i] = True
+                    allowed[i, torch.tensor(p.allowed_token_ids, device=device)] = False
+        bad_words = {i: p._bad_words_token_ids for i, p in enumerate(params) if p._bad_words_token_ids}
+        bias = None
+        if any(p.logit_bias for p in params):
+            triples = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+            r, c, v = zip(*triples)
+            bias = (torch.tensor(r, device=device), torch.tensor(c, device=device),
+                    torch.tensor(v, dtype=torch.float32, device=device))
+        if token_bitmask is not None and token_bitmask.shape != (batch, -(-vocab_size // 32)):
+            raise ValueError(f"token_bitmask must be [{batch}, {-(-vocab_size // 32)}] (rows, words of 32 "
+                             f"tokens), got {tuple(token_bitmask.shape)}")
+
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=temperature,
@@ -132,6 +161,10 @@ class SamplingMetadata:
             frequency_penalties=frequency,
             repetition_penalties=repetition,
             min_tokens=min_tokens,
+            allowed_token_ids_mask=allowed,
+            bad_words_token_ids=bad_words,
+            logit_bias=bias,
+            token_bitmask=token_bitmask,
         )
 
 

@@ -10,8 +10,17 @@ field and its allowed range, checked once here so the sampler never has to):
 - n >= 1; temperature >= 0; 0 < top_p <= 1; top_k == -1 or top_k >= 0
   (-1 and 0 both disable top-k; -1 is stored as 0); 0 <= min_p <= 1;
   presence/frequency penalties in [-2, 2]; repetition_penalty > 0;
-  max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs None or >= 0;
-  seed None or an int; `stop` is a list of non-empty strings.
+  max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs and
+  prompt_logprobs None or >= 0; seed None or an int; `stop` and `bad_words`
+  are lists of non-empty strings; logit_bias maps int token ids to finite
+  biases, clamped to [-100, 100] (vLLM's range); allowed_token_ids is None or
+  a non-empty list of ids >= 0; structured_outputs is None or a
+  `StructuredOutputsParams` with exactly one constraint. Token ids are checked
+  against the vocabulary by the engine, which knows it.
+- n > 1 needs sampling: greedy samples would all be the same (vLLM rejects it).
+- skip_reading_prefix_cache defaults to `prompt_logprobs is not None`, as in
+  vLLM: cached blocks have no logits, so such a request computes its whole
+  prompt (it still writes its blocks to the cache for others).
 - A request is greedy when temperature < _SAMPLING_EPS. Greedy requests ignore
   top_k, top_p and min_p (they are reset to their disabled values), because
   the argmax of the unfiltered distribution is already the top token.
@@ -21,12 +30,55 @@ from __future__ import annotations
 import copy
 import math
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's `StructuredOutputsParams`): a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a
+    regular expression, one of a list of strings (`choice`) or an EBNF grammar
+    (`grammar`, xgrammar's GBNF dialect)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @classmethod
+    def from_any(cls, value) -> "StructuredOutputsParams | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unsupported field(s) {unknown}; supported: {sorted(known)}")
+        return cls(**value)
 
 
 class SamplingType(enum.IntEnum):
@@ -68,8 +120,16 @@ class SamplingParams(SchedulerSamplingParams):
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_reading_prefix_cache: bool | None = None
+    # Token ids of each bad word, set by the engine from its tokenizer (vLLM's name).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Inherited: max_tokens=16, stop_token_ids=(), ignore_eos=False.
 
     def __post_init__(self) -> None:
@@ -93,8 +153,11 @@ class SamplingParams(SchedulerSamplingParams):
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
+        self._check_token_controls()
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         if self.stop is None:
@@ -113,6 +176,40 @@ class SamplingParams(SchedulerSamplingParams):
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so drop them.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+        elif self.prompt_logprobs is not None and not self.skip_reading_prefix_cache:
+            raise ValueError("skip_reading_prefix_cache must be True or None with prompt_logprobs: "
+                             "prompt tokens found in the prefix cache have no logits")
+
+    def _check_token_controls(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, structured_outputs (vLLM's checks)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids (ints), got {k!r}") from None
+                if not _is_number(v) or not math.isfinite(v):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for token {k!r}")
+                bias[tid] = min(100.0, max(-100.0, float(v)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be None or a non-empty list of ints >= 0, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(dict.fromkeys(words))
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
     @property
     def sampling_type(self) -> SamplingType:

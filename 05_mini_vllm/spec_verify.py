@@ -22,14 +22,20 @@ _SAMPLING_EPS = 1e-5
 
 def spec_eligible(params) -> bool:
     """Drafts only for requests whose processing Chapter 4's sampler reproduces
-    exactly: no penalties, min_p, min_tokens or logprobs, and no seed (a seeded
+    exactly: no penalties, min_p, min_tokens, logprobs, logit_bias,
+    allowed_token_ids, bad_words or structured outputs, and no seed (a seeded
     request must give the same tokens with and without speculation, and
     verification consumes random numbers differently)."""
     return (getattr(params, "seed", None) is None and getattr(params, "logprobs", None) is None
             and getattr(params, "min_p", 0.0) == 0.0 and getattr(params, "min_tokens", 0) == 0
             and getattr(params, "presence_penalty", 0.0) == 0.0
             and getattr(params, "frequency_penalty", 0.0) == 0.0
-            and getattr(params, "repetition_penalty", 1.0) == 1.0)
+            and getattr(params, "repetition_penalty", 1.0) == 1.0
+            # Token controls and grammars shape each row before sampling; verification
+            # would need them on every draft row, so such requests decode without drafts.
+            and not getattr(params, "logit_bias", None) and not getattr(params, "allowed_token_ids", None)
+            and not getattr(params, "bad_words", None)
+            and getattr(params, "structured_outputs", None) is None)
 
 
 class SpecVerifier:

@@ -109,6 +109,7 @@ class Worker:
                                         cfg.torch_dtype, self.device)
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device)
+        self.model_runner.tokenizer_path = cfg.tokenizer or cfg.model  # structured outputs
         if cfg.speculative is not None:
             self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)
 

@@ -110,7 +110,9 @@ def test_streaming_deltas_concatenate_to_final_text(llm, free_run):
 
 
 def test_parallel_sampling_greedy_children_equal_single(llm, free_run):
-    out = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=15, temperature=0, ignore_eos=True),
+    # top_k=1 at temperature 1 samples the argmax every time: greedy children
+    # (n > 1 at temperature 0 is rejected, as in vLLM).
+    out = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=15, temperature=1.0, top_k=1, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     for o in out.outputs:
@@ -138,7 +140,7 @@ def test_fork_shares_prompt_blocks(llm):
     prompt = list(range(200, 296))  # 96 tokens = 12 blocks of 8
     eng = llm.llm_engine
     eng.add_request("fork", {"prompt_token_ids": prompt},
-                    SamplingParams(n=4, max_tokens=4, temperature=0, ignore_eos=True))
+                    SamplingParams(n=4, max_tokens=4, temperature=1.0, top_k=1, ignore_eos=True))
     kv = eng.engine_core.scheduler.kv_cache_manager
     peak = 0
     while eng.has_unfinished_requests():

@@ -41,10 +41,19 @@ def test_bad_prompts_raise_value_error(llm, prompt, match):
         llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def test_max_tokens_beyond_max_model_len(llm):
-    with pytest.raises(ValueError, match="max_tokens must be <= max_model_len - prompt length"):
-        llm.generate({"prompt_token_ids": list(range(2, 100))}, SamplingParams(max_tokens=50),
-                     use_tqdm=False)
+def test_max_tokens_beyond_max_model_len_stops_at_the_context(llm):
+    """vLLM serves prompt + max_tokens > max_model_len and stops at the limit."""
+    sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, min_tokens=40)
+    out = llm.generate({"prompt_token_ids": list(range(2, 100))}, sp, use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (128 - 98, "length"), \
+        "a request over the context must run to max_model_len and finish with 'length'"
+    assert sp.max_tokens == 50, "the caller's SamplingParams must not be changed"
+    assert_pool_full(llm)
+
+
+def test_greedy_n_above_one_is_rejected():
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        SamplingParams(n=2, temperature=0)
 
 
 def test_bad_request_in_a_batch_adds_nothing(llm):

@@ -62,7 +62,9 @@ def test_completions_match_offline_and_stream(client, llm):
 def test_prompt_forms_list_token_ids_and_echo(client, llm):
     tok = llm.get_tokenizer()
     ids = tok(PROMPTS[0])["input_ids"]
-    r = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[:2], max_tokens=6, n=2, **GREEDY)
+    # n > 1 needs sampling (greedy is rejected, as in vLLM); top_k=1 samples the argmax
+    r = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[:2], max_tokens=6, n=2, temperature=1.0,
+                                  extra_body={"ignore_eos": True, "top_k": 1})
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3], "choices are prompt_index * n + sample"
     by_index = {c.index: c.text for c in r.choices}
     assert by_index[0] == by_index[1] and by_index[2] == by_index[3], "greedy samples of one prompt agree"
