@@ -1,7 +1,7 @@
 """Attention backends: write this step's K/V into the paged cache, then attend.
 
 vLLM counterparts: `vllm/v1/attention/backends/` (`flash_attn.py`,
-`triton_attn.py`; `FlashAttentionImpl.forward`) and the backend selector
+`triton_attn.py`, `cpu_attn.py`; `FlashAttentionImpl.forward`) and the backend selector
 `vllm/attention/selector.py` (`get_attn_backend`).
 
 Every backend has one entry point, `forward(query, key, value, key_cache,
@@ -11,8 +11,8 @@ together, laid out by the `AttentionMetadata` md):
 1. it FIRST scatters the batch's new keys/values into the cache at
    `md.slot_mapping` (every token of every sequence), and
 2. THEN attends over the whole batch at once (no per-sequence loop): one
-   varlen kernel launch for "triton"; for "torch" one padded SDPA call per
-   group (the prefill chunks, and the decodes bucketed by length).
+   varlen kernel launch for "triton" and "cpu"; for "torch" one padded SDPA
+   call per group (the prefill chunks, and the decodes bucketed by length).
 
 The order is an invariant, not a detail: a sequence may read blocks that
 another sequence of the same step writes (a prefix-cache hit on blocks being
@@ -20,7 +20,10 @@ filled in this very step), and a prefill chunk reads its own fresh keys from
 the cache. Both work only if the whole batch is written before anything reads.
 
 Backends:
-* "triton": the Triton kernels of `mini_vllm.kernels`;
+* "triton": the Triton kernels of `mini_vllm.kernels` (the GPU path);
+* "cpu": the numba-compiled kernel `mini_vllm.kernels.cpu_paged_attention`,
+  which reads K/V blocks in place (the CPU default: it skips the padded
+  gather that "torch" copies every block into);
 * "torch": vectorised PyTorch (`torch_attention.py`: one block-granular gather
   through the block tables and one masked `scaled_dot_product_attention` per
   group), checked against Chapter 1's per-sequence reference
@@ -34,7 +37,7 @@ from mini_vllm import torch_attention
 from mini_vllm.forward_context import AttentionMetadata
 from mini_vllm.paged_attention import reshape_and_cache as torch_reshape_and_cache
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("torch", "triton", "cpu")
 
 
 class TorchAttentionBackend:
@@ -67,17 +70,38 @@ class TritonAttentionBackend:
                                       md.cu_seqlens_q, md.seq_lens, scale)
 
 
-_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+class CpuAttentionBackend:
+    """The numba-compiled CPU kernel (`mini_vllm.kernels.cpu_paged_attention`):
+    one parallel launch over (sequence, KV head, query tile), blocks read in place."""
+
+    name = "cpu"
+
+    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
+        # Imported lazily: numba takes a moment to import and the other backends never need it.
+        from mini_vllm.kernels.cpu_paged_attention import check_cpu_inputs, run_varlen
+
+        torch_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        if not getattr(md, "_cpu_checked", False):
+            # The kernel has no bounds checks: a bad block id would read outside the
+            # cache. Check the metadata once per step (every layer shares md), not per layer.
+            md.validate(key_cache.shape[0], key_cache.shape[1])
+            md._cpu_checked = True
+        check_cpu_inputs(query, key_cache, value_cache)
+        return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)
+
+
+_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend, "cpu": CpuAttentionBackend}
 
 
 def get_attn_backend(name: str):
-    """The backend called `name` ("torch" or "triton")."""
+    """The backend called `name` (one of BACKEND_NAMES)."""
     if not isinstance(name, str) or name not in _BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     return _BACKENDS[name]()
 
 
 def default_backend(device) -> str:
-    """"triton" on CUDA (compiled kernels), "torch" elsewhere (the Triton
-    interpreter is far too slow to serve a model on a CPU)."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+    """"triton" on CUDA (compiled kernels), "cpu" elsewhere: the compiled CPU
+    kernel (the Triton interpreter is far too slow to serve a model on a CPU,
+    and "torch" stays as the readable path)."""
+    return "triton" if torch.device(device).type == "cuda" else "cpu"

@@ -17,7 +17,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
         p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "cpu"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)

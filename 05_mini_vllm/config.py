@@ -36,7 +36,7 @@ class EngineConfig:
     model: str = ""
     dtype: str | torch.dtype = "float32"
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
-    attention_backend: str | None = None  # None -> triton on CUDA, torch on CPU
+    attention_backend: str | None = None  # None -> triton on CUDA, cpu (compiled kernel) on CPU
     block_size: int = 16
     max_model_len: int | None = None      # None -> the model's max_position_embeddings
     max_num_seqs: int = 128
@@ -77,8 +77,8 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ValueError("attention_backend must be None, 'torch' or 'triton', "
+        if self.attention_backend not in (None, "torch", "triton", "cpu"):
+            raise ValueError("attention_backend must be None, 'torch', 'triton' or 'cpu', "
                              f"got {self.attention_backend!r}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")

@@ -124,9 +124,9 @@ def test_reads_blocks_another_sequence_writes_in_the_same_call(backend):
 
 
 def test_backend_names_and_default():
-    with pytest.raises(ValueError, match=r"attention_backend must be one of \('torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \('torch', 'triton', 'cpu'\)"):
         get_attn_backend("flash_attn")
     with pytest.raises(ValueError, match="attention_backend"):
         get_attn_backend(None)
-    assert default_backend("cpu") == "torch", "CPU must not default to the Triton interpreter"
+    assert default_backend("cpu") == "cpu", "CPU must default to the compiled kernel, not torch or the Triton interpreter"
     assert default_backend(torch.device("cuda", 0)) == "triton", "CUDA must default to the compiled kernels"

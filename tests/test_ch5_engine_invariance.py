@@ -117,11 +117,13 @@ def test_seeded_sampling_invariant_under_preemption(mode):
     assert_pool_full(llm)
 
 
-def test_same_step_prefix_hit_reads_kv_written_in_that_step():
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_same_step_prefix_hit_reads_kv_written_in_that_step(backend):
     """Two identical 40-token prompts admitted in one step: the second hits the
-    first's blocks, which this very forward pass writes."""
+    first's blocks, which this very forward pass writes. Both CPU backends: the
+    oracle (`_alone`) runs the default, "cpu"."""
     p = list(range(300, 340))
-    llm = make_llm(block_size=8, max_model_len=128)
+    llm = make_llm(block_size=8, max_model_len=128, attention_backend=backend)
     got = run_greedy(llm, [p, p, p[:33]], [6, 6, 6])
     stats = llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0, "the repeated prompt did not hit the prefix cache"

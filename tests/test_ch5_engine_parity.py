@@ -35,16 +35,20 @@ def tok():
     return load_tiny_tokenizer()
 
 
-def test_greedy_batch_matches_hf_generate(hf, tok):
+# "cpu" (the compiled kernel, the CPU default that every other engine test runs)
+# and "torch" (the readable path); "triton" has its own engine tests.
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_batch_matches_hf_generate(hf, tok, backend):
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 8, "prompts must have different lengths"
     lens = [20, 12, 30, 8, 25, 16, 20, 10, 14]
-    llm = make_llm(block_size=16)
+    llm = make_llm(block_size=16, attention_backend=backend)
+    assert llm.llm_engine.engine_core.executor.worker.attention_backend == backend, "backend not the one asked for"
     got = run_greedy(llm, prompts, lens)
     for i, (p, n) in enumerate(zip(prompts, lens)):
         want = hf_greedy(hf, p, n)
-        assert got[i] == want, (f"prompt {i} ({PROMPTS[i][:20]!r}): engine greedy tokens differ from "
-                                f"HF generate(do_sample=False)\nengine {got[i]}\nhf     {want}")
+        assert got[i] == want, (f"{backend} backend, prompt {i} ({PROMPTS[i][:20]!r}): engine greedy tokens "
+                                f"differ from HF generate(do_sample=False)\nengine {got[i]}\nhf     {want}")
     assert_pool_full(llm)
 
 

@@ -1,0 +1,273 @@
+"""CPU paged attention compiled with numba: the engine's varlen batch, read in place.
+
+vLLM counterparts: the CPU attention backend `vllm/v1/attention/backends/cpu_attn.py`
+and its C++ kernels `csrc/cpu/cpu_attn.cpp` / `cpu_attn_impl.hpp`. Same signatures
+and errors as Chapter 1's PyTorch reference (`mini_vllm.paged_attention`) and
+the Triton kernels beside this file.
+
+Why a compiled kernel on the CPU: the "torch" backend first copies every
+sequence's blocks into a padded tensor, then reads that copy again in one
+SDPA call. This kernel walks each sequence's block table and reads K/V rows
+where they lie in the cache, once, with an online softmax (running max,
+running sum, fp32 accumulator), as Chapter 1's lesson and the Triton kernel do.
+
+Work split: one work item is (sequence, KV head, tile of up to
+`TILE_ROWS // group` query tokens). A decode is one item per KV head; a long
+prefill is cut into tiles so two cores share it. Items run in a `prange`
+handed out one at a time (chunk size 1), longest first, so ragged batches end
+balanced. An item stacks its query tokens x the `group` query heads of its KV
+head (GQA) into rows, so each K/V row is widened once and used by all of them.
+
+Invariants:
+- only positions < seq_len are read: an item's last key is its last query's
+  position, so -1 table entries, unused blocks and NaN slots past seq_len are
+  never touched;
+- query t of a sequence sits at position seq_len - q_len + t and sees keys
+  0 .. that position; key 0 is visible to every row, so each row's first
+  block sets a finite running max before any fully masked block is skipped.
+
+Arithmetic: fp32 scores, softmax and accumulators. The caches are read as raw
+bits (fp32 as uint32, bf16 and fp16 as uint16; numba has no bf16 or CPU fp16
+type) and each K/V block is widened into an fp32 tile: bf16 by shifting its
+16 bits into the top of an fp32, fp16 by the exponent rebias below. The
+output is fp32 and cast to the query's dtype by torch (round to nearest even).
+`fastmath` allows only reassociation and fused multiply-add, so dot products
+vectorise while -inf and NaN keep IEEE meaning.
+
+Compile: about ten seconds per cache width (uint32, uint16) on first use,
+then loaded from numba's on-disk cache (`cache=True`: `__pycache__` beside this
+file, or NUMBA_CACHE_DIR where that is read-only). Threads: as many as torch
+uses (`torch.set_num_threads`, OMP_NUM_THREADS), so one setting governs both.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from .paged_checks import check_cu_seqlens_q, check_paged_attention_args, check_query
+from .validation import check_kv_cache, check_num_heads
+
+
+def _writable_cache_dir() -> None:
+    """numba caches beside the source; where that is read-only (an installed
+    package) and no NUMBA_CACHE_DIR is set, use a per-user temp folder rather
+    than fail at import."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if "NUMBA_CACHE_DIR" not in os.environ and not os.access(here, os.W_OK):
+        os.environ["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"mini_vllm_numba_{os.getuid()}")
+
+
+_writable_cache_dir()
+
+import numba  # noqa: E402  (after the cache dir is settled: numba reads it at import)
+from numba import njit, prange  # noqa: E402
+
+FMT_FP32, FMT_BF16, FMT_FP16 = 0, 1, 2
+_FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
+# Query rows (tokens x heads of a group) per work item: 64 rows x head_dim 128
+# of fp32 accumulators is 32 KiB, about one L1 cache.
+TILE_ROWS = 64
+_FASTMATH = {"reassoc", "contract"}
+_TWO_POW_112 = np.float32(2.0 ** 112)
+
+
+@njit(cache=True)
+def _fp16_to_fp32(h):
+    """IEEE half bits -> float32. Moving the 15 exponent+mantissa bits up by 13
+    gives a float32 whose exponent is biased by 15 instead of 127; multiplying
+    by 2**112 rebiases it (subnormal halves come out exact too). Inf/NaN
+    (exponent all ones) keep their mantissa and get float32's all-ones exponent."""
+    h = np.uint32(h)
+    bits = np.uint32(((h & 0x8000) << 16) | ((h & 0x7FFF) << 13))
+    if (h & 0x7C00) == 0x7C00:
+        return np.uint32(bits | 0x7F800000).view(np.float32)
+    return bits.view(np.float32) * _TWO_POW_112
+
+
+@njit(cache=True)
+def _widen_block(cache, phys, kvh, n, fmt, tile):
+    """tile[:n] = rows 0..n-1 of KV head kvh in physical block phys, as fp32.
+    The format branch sits outside the loops so each loop vectorises."""
+    head_dim = tile.shape[1]
+    if fmt == FMT_FP32:
+        for j in range(n):
+            for d in range(head_dim):
+                tile[j, d] = np.uint32(cache[phys, j, kvh, d]).view(np.float32)
+    elif fmt == FMT_BF16:  # bf16 is the top half of an fp32
+        for j in range(n):
+            for d in range(head_dim):
+                tile[j, d] = np.uint32(np.uint32(cache[phys, j, kvh, d]) << 16).view(np.float32)
+    else:
+        for j in range(n):
+            for d in range(head_dim):
+                tile[j, d] = _fp16_to_fp32(cache[phys, j, kvh, d])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start, q_len, t0, t1, kvh,
+                 group, fmt, scale, q_tile, acc, m, l, scores, k_tile, v_tile):
+    """Query tokens t0..t1-1 of one sequence x the group of KV head kvh, over
+    the sequence's blocks with an online softmax. Scratch arrays are the
+    calling thread's own."""
+    head_dim = query.shape[2]
+    block_size = key_cache.shape[1]
+    context_len = seq_len - q_len  # query t sits at position context_len + t
+    rows = (t1 - t0) * group
+    for r in range(rows):  # row r = token t0 + r // group, head kvh * group + r % group
+        tok, head = q_start + t0 + r // group, kvh * group + r % group
+        for d in range(head_dim):
+            q_tile[r, d] = query[tok, head, d] * scale
+            acc[r, d] = 0.0
+        m[r] = -np.inf
+        l[r] = 0.0
+    kv_end = context_len + t1  # the item's last query sees keys up to context_len + t1 - 1
+    for b in range((kv_end + block_size - 1) // block_size):
+        start = b * block_size
+        n = min(block_size, kv_end - start)  # never a slot at or past kv_end <= seq_len
+        phys = table_row[b]
+        _widen_block(key_cache, phys, kvh, n, fmt, k_tile)
+        _widen_block(value_cache, phys, kvh, n, fmt, v_tile)
+        for r in range(rows):
+            last = context_len + t0 + r // group - start  # causal: the row sees keys j <= last of this block
+            if last < 0:
+                continue  # the whole block lies in this row's future
+            m_new = m[r]
+            for j in range(n):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += q_tile[r, d] * k_tile[j, d]
+                if j > last:
+                    s = -np.inf
+                scores[j] = s
+                m_new = max(m_new, s)
+            alpha = np.exp(m[r] - m_new)  # rescales what earlier blocks summed (0 on the first)
+            l_r = l[r] * alpha
+            for d in range(head_dim):
+                acc[r, d] *= alpha
+            # A masked key adds 0 * v: v must be a real key's value, never a NaN slot
+            # past seq_len (0 * NaN = NaN), hence n stops at kv_end.
+            for j in range(n):
+                p = np.exp(scores[j] - m_new)
+                l_r += p
+                for d in range(head_dim):
+                    acc[r, d] += p * v_tile[j, d]
+            m[r] = m_new
+            l[r] = l_r
+    for r in range(rows):
+        tok, head = q_start + t0 + r // group, kvh * group + r % group
+        inv = np.float32(1.0) / l[r]  # l >= 1: every row saw key 0 and its own max
+        for d in range(head_dim):
+            out[tok, head, d] = acc[r, d] * inv
+
+
+def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int):
+    """Work items (sequence, first query token of a tile), longest first: with
+    items handed out one at a time, the last to start are the short ones and
+    the threads finish together. Plain numpy (tens of microseconds): a
+    compiled argsort would add seconds to the first call."""
+    q_lens = np.diff(cu_seqlens_q.astype(np.int64))
+    tiles = (q_lens + tile_tokens - 1) // tile_tokens
+    item_seq = np.repeat(np.arange(len(q_lens)), tiles)
+    first_item = np.cumsum(tiles) - tiles
+    item_t0 = (np.arange(len(item_seq)) - first_item[item_seq]) * tile_tokens
+    t1 = np.minimum(item_t0 + tile_tokens, q_lens[item_seq])
+    cost = (t1 - item_t0) * (seq_lens[item_seq] - q_lens[item_seq] + t1)  # rows x keys read
+    order = np.argsort(-cost, kind="stable")
+    return item_seq[order], item_t0[order]
+
+
+@njit(cache=True, parallel=True)
+def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_q, seq_lens, item_seq, item_t0,
+                   tile_tokens, fmt, scale, q_tile, acc, m, l, scores, k_tile, v_tile):
+    """Every (item, KV head) pair in one prange; scratch arrays have one slice per thread."""
+    num_kv_heads = key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    for w in prange(item_seq.shape[0] * num_kv_heads):
+        it, kvh = w // num_kv_heads, w % num_kv_heads
+        i, t0 = item_seq[it], item_t0[it]
+        q_start = cu_seqlens_q[i]
+        q_len = cu_seqlens_q[i + 1] - q_start
+        tid = numba.get_thread_id()
+        _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
+                     t0, min(t0 + tile_tokens, q_len), kvh, group, fmt, scale, q_tile[tid], acc[tid],
+                     m[tid], l[tid], scores[tid], k_tile[tid], v_tile[tid])
+
+
+def _cache_bits(cache: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of the cache's raw bits (uint32 or uint16)."""
+    if cache.dtype == torch.float32:
+        return cache.view(torch.int32).numpy().view(np.uint32)
+    return cache.view(torch.int16).numpy().view(np.uint16)
+
+
+def check_cpu_inputs(query, key_cache, value_cache) -> None:
+    """The per-call checks, none of which reads tensor data: shapes and dtypes
+    (as Chapter 1's checks), CPU tensors, contiguous caches."""
+    _, _, num_kv_heads, _ = check_kv_cache(key_cache, value_cache)
+    check_query(query, key_cache)
+    check_num_heads(query.shape[1], num_kv_heads)
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU for the cpu kernel, got {t.device}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not t.is_contiguous():  # read in place: copying the whole cache per call would defeat the kernel
+            raise ValueError(f"{name} must be contiguous for the cpu kernel, got strides {t.stride()}")
+
+
+def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> torch.Tensor:
+    """The kernel without argument checks, for callers that checked once per
+    step (the engine's AttentionMetadata.validate). Same result as
+    `paged_attention_varlen`."""
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return torch.empty_like(query)
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    tile_tokens = max(1, TILE_ROWS // group)
+    cu = cu_seqlens_q.contiguous().numpy()
+    seq_lens = seq_lens.to(torch.int32).contiguous().numpy()
+    item_seq, item_t0 = plan_items(cu, seq_lens, tile_tokens)
+    nthreads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(nthreads)
+    # Per-thread scratch, allocated once per call (not once per item, inside the loop).
+    rows = tile_tokens * group
+    f32 = np.float32
+    scratch = (np.empty((nthreads, rows, head_dim), f32), np.empty((nthreads, rows, head_dim), f32),
+               np.empty((nthreads, rows), f32), np.empty((nthreads, rows), f32), np.empty((nthreads, block_size), f32),
+               np.empty((nthreads, block_size, head_dim), f32), np.empty((nthreads, block_size, head_dim), f32))
+    fp32 = query.dtype == torch.float32
+    out = torch.empty_like(query) if fp32 else torch.empty(query.shape, dtype=torch.float32)
+    # Items are handed out one at a time, not in equal slices. Set here, not in the
+    # kernel: numba cannot cache a function that sets it (a ctypes global).
+    previous = numba.set_parallel_chunksize(1)
+    try:
+        _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
+                       _cache_bits(value_cache), out.numpy(), block_tables.contiguous().numpy(), cu, seq_lens,
+                       item_seq, item_t0, tile_tokens, _FORMATS[key_cache.dtype], f32(scale), *scratch)
+    finally:
+        numba.set_parallel_chunksize(previous)
+    return out if fp32 else out.to(query.dtype)
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """query [num_tokens, num_heads, head_dim]; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len_i positions, attended
+    causally. Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
+    check_cpu_inputs(query, key_cache, value_cache)
+    return run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """One new token per sequence: query [num_seqs, num_heads, head_dim] is
+    position seq_len - 1 and sees all seq_len cached positions."""
+    num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_cpu_inputs(query, key_cache, value_cache)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32)  # a decode is a varlen batch of q_len 1
+    return run_varlen(query, key_cache, value_cache, block_tables, cu, seq_lens, scale)

@@ -1,0 +1,204 @@
+"""The numba CPU paged-attention kernel against the dense oracle and Chapter 1's reference.
+
+As for the Triton kernels: the tests build the paged cache themselves (plain
+indexing, never the code under test) and fill every other slot with NaN, so
+a kernel that reads a slot past seq_len, an unused block or a -1 table entry
+returns NaN. Oracles: `dense_causal_attention` on contiguous K/V in float64,
+and the reference `mini_vllm.paged_attention`, which the engine's other
+backends are checked against too.
+
+fp32 cases come first in the file: a planted mistake fails there before the
+16-bit variant of the kernel is compiled (seconds under `make mutants`).
+"""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from mini_vllm import paged_attention as ref
+from mini_vllm.attention_backends import get_attn_backend
+from mini_vllm.forward_context import AttentionMetadata
+from mini_vllm.kernels import cpu_paged_attention as cpa
+from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode, paged_attention_varlen
+from oracles import dense_causal_attention
+from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
+from test_kernels_paged_attention import BAD, BAD_VARLEN, _good, _raise_message, scrambled_layout
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def build_cache(batch, layout, shape, dtype, seed, values=None):
+    """NaN caches holding each sequence's K/V at its block-table slots; returns
+    (key_cache, value_cache, tables, seq_lens, ks, vs, qs). `values(n, heads)`
+    draws the entries of q and k (default: standard normal)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = values or (lambda n, h: torch.randn(n, h, shape.head_dim, generator=g))
+    cache_shape = (layout.num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    bs = layout.block_size
+    ks, vs, qs = [], [], []
+    for i, (s, q) in enumerate(zip(batch.seq_lens, batch.q_lens)):
+        k = draw(s, shape.num_kv_heads).to(dtype)
+        v = torch.randn(s, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+        for pos in range(s):
+            key_cache[layout.block_tables[i][pos // bs], pos % bs] = k[pos]
+            value_cache[layout.block_tables[i][pos // bs], pos % bs] = v[pos]
+        ks.append(k)
+        vs.append(v)
+        qs.append(draw(q, shape.num_heads).to(dtype))
+    tables = torch.tensor(layout.block_tables, dtype=torch.int32)
+    return key_cache, value_cache, tables, torch.tensor(batch.seq_lens, dtype=torch.int32), ks, vs, qs
+
+
+def assert_close(out, expected, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output -> a slot past seq_len, an unused block or a -1 entry was read"
+    err = (out.float() - expected.float()).abs().max().item()
+    assert err <= TOL[dtype], (f"{what}: max abs error {err:.3g} > {TOL[dtype]} in {dtype} "
+                               "(wrong causal offset, GQA head map, block lookup or softmax rescale?)")
+
+
+def check_varlen(batch, layout, shape, dtype, seed=0, scale=None, values=None):
+    key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, dtype, seed, values)
+    scale = scale or shape.head_dim ** -0.5
+    cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.int32)
+    query = torch.cat(qs)
+    out = paged_attention_varlen(query, key_cache, value_cache, tables, cu, seq_lens, scale)
+    assert out.shape == query.shape and out.dtype == dtype, "output must have query's shape and dtype"
+    for i in range(batch.num_seqs):
+        what = (f"seq {i} (seq_len {batch.seq_lens[i]}, q_len {batch.q_lens[i]}, block {layout.block_size}, "
+                f"heads {shape.num_heads}/{shape.num_kv_heads}, {dtype})")
+        assert_close(out[cu[i]:cu[i + 1]], dense_causal_attention(qs[i], ks[i], vs[i], scale), dtype, what)
+    expected = ref.paged_attention_varlen(query, key_cache, value_cache, tables, cu, seq_lens, scale)
+    assert_close(out, expected, dtype, "cpu kernel vs Chapter 1's reference")
+    return out
+
+
+# Every GQA ratio x block size, on one batch mixing a decode, a whole prefill
+# (not a multiple of any block size) and a chunk after 29 earlier positions.
+MIXED = RaggedBatch(seq_lens=(13, 37, 40), q_lens=(1, 37, 11))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+@pytest.mark.parametrize("ratio", (1, 2, 4))
+def test_every_gqa_ratio_and_block_size(ratio, block_size, dtype):
+    check_varlen(MIXED, scrambled_layout(MIXED.seq_lens, block_size, seed=ratio * block_size),
+                 GQAShape(2 * ratio, 2, 16), dtype, seed=ratio)
+
+
+def test_large_logits_need_the_running_max():
+    """Scores of several hundred: exp overflows fp32 unless each block's scores
+    are taken relative to the running max. Integer q, k and a power-of-two
+    scale make every score exact, so the tight bound still holds."""
+    batch = RaggedBatch(seq_lens=(45, 30), q_lens=(1, 30))
+    g = torch.Generator().manual_seed(5)
+    ints = lambda n, h: torch.randint(-8, 9, (n, h, 16), generator=g).float()  # noqa: E731
+    out = check_varlen(batch, scrambled_layout(batch.seq_lens, 8, seed=5), GQAShape(4, 2, 16), torch.float32,
+                       scale=4.0, values=ints)
+    assert out.isfinite().all(), "softmax overflowed: scores were exponentiated without the running max"
+
+
+def test_long_prefill_spans_many_query_tiles(monkeypatch):
+    """8-row tiles: a 40-token prefill is 10 to 40 work items per KV head, so
+    the per-tile causal bound and the tile -> token map are exercised."""
+    monkeypatch.setattr(cpa, "TILE_ROWS", 8)
+    batch = RaggedBatch(seq_lens=(3, 40, 33, 17), q_lens=(3, 40, 18, 1))
+    for ratio in (1, 4):
+        check_varlen(batch, scrambled_layout(batch.seq_lens, 8, seed=ratio), GQAShape(2 * ratio, 2, 32),
+                     torch.float32, seed=ratio)
+
+
+def test_one_and_two_threads_give_identical_bits():
+    """Each work item is computed by one thread in a fixed order, so the thread
+    count changes nothing; a race on the per-thread scratch would."""
+    batch = RaggedBatch(seq_lens=(70, 33, 12, 90, 5), q_lens=(70, 1, 12, 17, 1))
+    layout = scrambled_layout(batch.seq_lens, 16, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = check_varlen(batch, layout, GQAShape(8, 2, 32), torch.float32)
+        torch.set_num_threads(2)
+        two = check_varlen(batch, layout, GQAShape(8, 2, 32), torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), "1 and 2 threads disagree: threads share scratch or split an item"
+
+
+@st.composite
+def cases(draw, dtypes, decode_only=False):
+    batch = draw(ragged_batches(max_seqs=4, max_seq_len=56, decode_only=decode_only))
+    layout = draw(block_layouts(batch.seq_lens, draw(block_sizes())))
+    return batch, layout, draw(gqa_shapes(ratios=(1, 2, 4))), draw(st.sampled_from(dtypes))
+
+
+@given(cases((torch.float32, torch.bfloat16, torch.float16)), st.integers(0, 2**16))
+def test_ragged_batches(case, seed):
+    check_varlen(*case, seed=seed)
+
+
+@given(cases((torch.float32, torch.bfloat16), decode_only=True))
+def test_decode_entry_point(case):
+    batch, layout, shape, dtype = case
+    key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, dtype, 0)
+    scale = shape.head_dim ** -0.5
+    out = paged_attention_decode(torch.cat(qs), key_cache, value_cache, tables, seq_lens, scale)
+    for i in range(batch.num_seqs):
+        assert_close(out[i:i + 1], dense_causal_attention(qs[i], ks[i], vs[i], scale), dtype,
+                     f"decode seq {i} (seq_len {batch.seq_lens[i]})")
+
+
+@given(st.data())
+def test_backend_reads_blocks_another_sequence_writes_in_the_same_step(data):
+    """Sequence A prefills; sequence B is a prefix-cache hit on A's first
+    blocks, which A writes in this very step, and queries its own tail. The
+    "cpu" backend must write the whole batch before reading any of it."""
+    bs = data.draw(block_sizes())
+    len_a = data.draw(st.integers(bs, 60))
+    shared = data.draw(st.integers(1, len_a // bs))
+    tail = data.draw(st.integers(1, 20))
+    b_first = data.draw(st.booleans())
+    dtype = data.draw(st.sampled_from((torch.float32, torch.bfloat16)))
+    shape = data.draw(gqa_shapes(ratios=(1, 2, 4)))
+    blocks_a, blocks_b = -(-len_a // bs), -(-tail // bs)
+    ids = data.draw(st.permutations(range(blocks_a + blocks_b + 2)))
+    row_a = list(ids[:blocks_a])
+    row_b = row_a[:shared] + list(ids[blocks_a:blocks_a + blocks_b])
+    seqs = [(len_a, len_a, row_a), (shared * bs + tail, tail, row_b)]
+    if b_first:
+        seqs.reverse()
+    g = torch.Generator().manual_seed(len_a * 100 + tail)
+    num_tokens = len_a + tail
+    q = torch.randn(num_tokens, shape.num_heads, shape.head_dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+    cache_shape = (len(ids), bs, shape.num_kv_heads, shape.head_dim)
+    kc, vc = torch.full(cache_shape, float("nan"), dtype=dtype), torch.full(cache_shape, float("nan"), dtype=dtype)
+    width = max(len(r) for _, _, r in seqs) + 1
+    slots = [r[p // bs] * bs + p % bs for s, n, r in seqs for p in range(s - n, s)]
+    cu = [0, seqs[0][1], num_tokens]
+    md = AttentionMetadata(torch.tensor(slots), torch.tensor([r + [-1] * (width - len(r)) for _, _, r in seqs],
+                                                             dtype=torch.int32),
+                           torch.tensor(cu, dtype=torch.int32), torch.tensor([s for s, _, _ in seqs], dtype=torch.int32),
+                           max(n for _, n, _ in seqs), max(s for s, _, _ in seqs),
+                           [n for _, n, _ in seqs], [s for s, _, _ in seqs])
+    scale = shape.head_dim ** -0.5
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref.reshape_and_cache(k, v, ref_kc, ref_vc, md.slot_mapping)
+    expected = ref.paged_attention_varlen(q, ref_kc, ref_vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)
+    out = get_attn_backend("cpu").forward(q, k, v, kc, vc, md, scale)
+    assert_close(out, expected, dtype, f"A {len_a} tokens, B hits {shared} shared blocks + {tail}, B first {b_first}")
+
+
+@pytest.mark.parametrize("field,change,word", BAD + BAD_VARLEN)
+def test_bad_input_matches_reference(field, change, word):
+    args = {**_good(), **change}
+    msg = _raise_message(paged_attention_varlen, **args)
+    assert word in msg, f"error for bad {field} must name it: {msg!r}"
+    assert msg == _raise_message(ref.paged_attention_varlen, **args), "cpu kernel and reference must reject alike"
+
+
+def test_strided_cache_is_rejected_not_copied():
+    args = _good()
+    args["key_cache"] = torch.zeros(4, 2, 8, 16).transpose(1, 2)  # the shape of the cache, other strides
+    with pytest.raises(ValueError, match="key_cache must be contiguous"):
+        paged_attention_varlen(**args)
