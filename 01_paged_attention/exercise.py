@@ -2,7 +2,7 @@
 
 Run the tests against this file with
 
-    .venv/bin/pytest -q -x tests/test_ch1_*.py --impl=exercise
+    .venv/bin/pytest -q tests/test_ch1_*.py --impl=exercise
 
 Start with `tests/test_ch1_examples.py`: each small case there names the
 mistake it catches (off-by-one slot, GQA head mapping, causal offset, reading

@@ -1,7 +1,7 @@
 """Chapter 2 exercise: write the hash chain, the LRU policy and the prefix lookup.
 
 Run the chapter's tests against your code with
-    .venv/bin/python -m pytest -q -x tests/test_ch2_*.py --impl=exercise
+    .venv/bin/pytest -q tests/test_ch2_*.py --impl=exercise
 Start with `tests/test_ch2_examples.py`: each of its small cases names the
 mistake it catches.
 

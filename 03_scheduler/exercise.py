@@ -1,7 +1,7 @@
 """Chapter 3 exercise: write the scheduling decisions of one step.
 
 Run the chapter's tests against your code with
-    .venv/bin/python -m pytest -q -x tests/test_ch3_*.py --impl=exercise
+    .venv/bin/pytest -q tests/test_ch3_*.py --impl=exercise
 Start with `tests/test_ch3_examples.py`: each of its small cases names the
 mistake it catches.
 

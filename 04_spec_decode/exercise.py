@@ -1,7 +1,7 @@
 """Chapter 4 exercise: write the heart of lossless speculative decoding.
 
 Run the chapter's tests against this file with
-    .venv/bin/python -m pytest -q -x tests/test_ch4_*.py --impl=exercise
+    .venv/bin/pytest -q tests/test_ch4_*.py --impl=exercise
 Start with `tests/test_ch4_examples.py`: each of its small cases names the
 mistake it catches.
 

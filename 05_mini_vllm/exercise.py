@@ -1,7 +1,7 @@
 """Chapter 5 exercise.
 
-Fill in the stubs, then run the Chapter 5 tests against them:
-    .venv/bin/pytest tests/test_ch5_*.py --impl=exercise
+Fill in the stubs, then run the chapter's tests against them with
+    .venv/bin/pytest -q tests/test_ch5_*.py --impl=exercise
 Reference answers live in the modules named in each hint; read them after.
 """
 from __future__ import annotations

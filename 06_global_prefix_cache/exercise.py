@@ -1,7 +1,7 @@
 """Chapter 6 exercise: write the connector's matching logic and the block format.
 
 Run the chapter's tests against your code with
-    .venv/bin/python -m pytest -q -x tests/test_ch6_units.py --impl=exercise
+    .venv/bin/pytest -q tests/test_ch6_*.py --impl=exercise
 Each test's message names the mistake it catches.
 
 You write three pieces:

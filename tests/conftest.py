@@ -76,6 +76,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # An exercise run keeps only the tests that ask for the implementation
+    # (the `impl` fixture, directly or through `chapter`): the others test the
+    # reference alone and would pass whatever the learner wrote.
+    if config.getoption("--impl") == "exercise":
+        uses = ["impl" in getattr(item, "fixturenames", ()) for item in items]
+        if not all(uses):
+            config.hook.pytest_deselected(items=[item for item, u in zip(items, uses) if not u])
+            items[:] = [item for item, u in zip(items, uses) if u]
     # Hand-built example tests first (stable sort): with -x, the first failure
     # is then a small case whose message names the mistake.
     items.sort(key=lambda item: 0 if item.path.name.endswith("_examples.py") else 1)
