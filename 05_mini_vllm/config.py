@@ -17,6 +17,9 @@ import torch
 
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
+# vLLM's `LogprobsMode` (vllm/config/model.py): what a request's logprobs describe.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float": torch.float32}
@@ -61,6 +64,10 @@ class EngineConfig:
     # for (-1: the whole vocabulary). The server passes vLLM's default, 20;
     # offline the course keeps no cap (tests compare whole distributions).
     max_logprobs: int = -1
+    # vLLM's --logprobs-mode: what logprobs describe. "raw_logprobs" (vLLM's default): the
+    # model's distribution before penalties, temperature and filters; "processed_logprobs":
+    # the one sampled from; "raw_logits" / "processed_logits": the logits at those points.
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's --generation-config: "auto" (the model folder's generation_config.json
     # gives default sampling parameters), "vllm" (ignore it) or a folder holding one.
     generation_config: str = "auto"
@@ -101,6 +108,8 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -35,7 +35,7 @@ from mini_vllm.spec_verify import SpecVerifier, spec_eligible
 
 class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
-                 max_model_len: int, device) -> None:
+                 max_model_len: int, device, logprobs_mode: str = "raw_logprobs") -> None:
         self.model, self.model_config = model, model_config
         self.cache_engine = cache_engine
         self.block_size = block_size
@@ -44,7 +44,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair

@@ -14,8 +14,13 @@ min_tokens (mask stop ids) -> logit_bias -> penalties (repetition over prompt
   is in the batch.
 - A seeded row's noise comes from its own generator only, so its tokens do
   not depend on its batch neighbours.
-- Logprobs describe the processed distribution (after penalties, temperature
-  and filters; greedy rows: the penalised logits at temperature 1).
+- Logprobs follow vLLM's `logprobs_mode`. The default, "raw_logprobs", is the
+  model's own distribution: log-softmax of the logits as they reach the sampler
+  (after the structured-output bitmask, which the runner applies first, before
+  every other step). "processed_logprobs" is the distribution actually sampled
+  from (after penalties, temperature and filters; greedy rows: the penalised
+  logits at temperature 1). "raw_logits" / "processed_logits" return the
+  logits themselves at those two points.
 Fast paths: all-greedy is a single argmax (no softmax); no filter means no
 sort; top-k and top-p cut inside a `torch.topk` and the race then runs over
 those candidates only; no penalties means no bincount.
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import LOGPROBS_MODES
 from .ops_topk_topp import apply_min_p, random_sample, random_sample_candidates, top_k_top_p_filter
 from .sampling_metadata import SamplingMetadata
 
@@ -99,9 +105,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits - md.presence_penalties.to(device).unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
-def gather_logprobs(processed: torch.Tensor, num_logprobs: int, sampled: torch.Tensor) -> LogprobsTensors:
-    """Top-N logprobs plus the sampled token's logprob and rank, from processed logits."""
-    logprobs = processed.log_softmax(dim=-1)
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, sampled: torch.Tensor) -> LogprobsTensors:
+    """Top-N values plus the sampled token's value and rank, from a [B, V] tensor of
+    logprobs (or logits: ranks and top-N are the same either way)."""
     selected = logprobs.gather(1, sampled.unsqueeze(1))
     # Rank = how many tokens are at least as likely (vLLM's definition).
     ranks = (logprobs >= selected).sum(dim=-1)
@@ -114,7 +120,12 @@ def gather_logprobs(processed: torch.Tensor, num_logprobs: int, sampled: torch.T
 
 
 class Sampler:
-    """Stateless; call `forward(logits, metadata)` (or the object itself)."""
+    """Stateless but for its `logprobs_mode`; call `forward(logits, metadata)` (or the object)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         return self.forward(logits, md)
@@ -126,6 +137,10 @@ class Sampler:
         # Every step below that works in place clones first: the caller's logits are never modified.
         if md.token_bitmask is not None:
             logits = apply_token_bitmask(logits, md.token_bitmask)
+        raw = None
+        if md.max_num_logprobs is not None and self.logprobs_mode.startswith("raw"):
+            # vLLM's default: what the model itself predicts, before any request's processing.
+            raw = logits.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
         if md.allowed_token_ids_mask is not None:
             logits = logits.masked_fill(md.allowed_token_ids_mask.to(logits.device), float("-inf"))
         if md.bad_words_token_ids:
@@ -162,5 +177,7 @@ class Sampler:
 
         lp = None
         if md.max_num_logprobs is not None:
-            lp = gather_logprobs(processed, md.max_num_logprobs, sampled)
+            if raw is None:
+                raw = processed.log_softmax(dim=-1) if self.logprobs_mode == "processed_logprobs" else processed
+            lp = gather_logprobs(raw, md.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=lp)

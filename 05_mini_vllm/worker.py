@@ -108,7 +108,8 @@ class Worker:
                                         cfg.block_size, self.num_kv_heads, mc.head_dim,
                                         cfg.torch_dtype, self.device)
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
-                                        max_num_seqs, self.max_model_len, self.device)
+                                        max_num_seqs, self.max_model_len, self.device,
+                                        logprobs_mode=cfg.logprobs_mode)
         self.model_runner.tokenizer_path = cfg.tokenizer or cfg.model  # structured outputs
         if cfg.speculative is not None:
             self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)

@@ -205,7 +205,7 @@ def test_logprobs_of_processed_distribution():
               SamplingParams(temperature=2.0, min_p=0.5)]
     md = build(params, 6, generators=[torch.Generator().manual_seed(3), None, None])
     assert md.max_num_logprobs == 2
-    out = Sampler()(torch.tensor([raw] * 3), md)
+    out = Sampler("processed_logprobs")(torch.tensor([raw] * 3), md)
     lp = out.logprobs_tensors
     assert lp.logprobs.shape == (3, 3) and lp.logprob_token_ids.shape == (3, 3)
     for row, (temp, k, m) in enumerate([(0.5, 3, 0.0), (1.0, 0, 0.0), (2.0, 0, 0.5)]):
@@ -221,6 +221,28 @@ def test_logprobs_of_processed_distribution():
             f"{lp.logprobs[row].tolist()} want {want.tolist()}")
         assert int(lp.selected_token_ranks[row]) == 1 + sum(h > hand[tok] for h in hand), "rank of the sampled token"
     assert out.logprobs_tensors is not None and build(params[2:], 6).max_num_logprobs is None
+
+
+def test_logprobs_default_to_the_raw_model_distribution():
+    """vLLM's default logprobs_mode, "raw_logprobs": temperature, top-k and penalties change
+    what is sampled but not the reported logprobs, which are the model's own."""
+    raw = [1.0, 3.0, 2.5, -1.0, 2.9, 0.0]
+    params = [SamplingParams(temperature=0.5, top_k=1, logprobs=3, seed=3),
+              SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0)]
+    md = build(params, 6, generators=[torch.Generator().manual_seed(3), None], outputs=[[], [1]])
+    out = Sampler()(torch.tensor([raw] * 2), md)
+    want = torch.tensor(raw).log_softmax(-1)
+    top3 = want.topk(3).indices.tolist()
+    assert out.sampled_token_ids.tolist() == [1, 4], "top_k=1 keeps the argmax; the penalty moves greedy off token 1"
+    for row in range(2):
+        tok = int(out.sampled_token_ids[row])
+        got = out.logprobs_tensors
+        assert got.logprob_token_ids[row].tolist() == [tok] + top3, "raw mode: top-N of the raw distribution"
+        assert torch.allclose(got.logprobs[row], want[[tok] + top3], atol=1e-6), (
+            f"row {row}: logprobs must be the raw model distribution (vLLM's default raw_logprobs), "
+            f"not the processed one: got {got.logprobs[row].tolist()}")
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler("processed")
 
 
 def test_rank_counts_ties():

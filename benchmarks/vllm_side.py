@@ -1,0 +1,143 @@
+"""The course's side of the conversation with real vLLM: find `.venv-vllm`, write a job,
+run `vllm_runner.py` in that venv's Python, read the result back. Used by the side-by-side
+benchmarks and by `tests/test_vs_vllm.py`; nothing here imports vLLM.
+
+Equal settings, the rule of every comparison: the same checkpoint, dtype, token budget,
+maximum batch size, KV-cache bytes and cores. vLLM's CPU attention needs a block size that
+is a multiple of 32, so a comparison that wants identical block boundaries (prefix caching)
+runs the course's engine at 32 too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
+MISSING = "real vLLM is not installed: run `make vllm` (creates .venv-vllm, about 2 minutes)"
+
+
+def vllm_python() -> Path | None:
+    """`.venv-vllm`'s interpreter if `make vllm` completed, else None."""
+    venv = Path(os.environ.get("MINI_VLLM_VLLM_VENV", ROOT / ".venv-vllm"))
+    py = venv / "bin" / "python"
+    return py if py.is_file() and (venv / ".installed").is_file() else None
+
+
+def cpu_list(threads: int) -> str:
+    """The first `threads` cores this process may use, as vLLM's bind syntax ("0", "0-1")."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    if len(cores) < threads:
+        raise ValueError(f"threads must be <= the {len(cores)} cores this process may use, got {threads}")
+    return ",".join(str(c) for c in cores)
+
+
+def pin(threads: int) -> None:
+    """Pins this process to the cores `cpu_list(threads)` names and sets torch's thread
+    count, so the course's engine runs on exactly the cores vLLM's threads are bound to."""
+    import torch
+    os.sched_setaffinity(0, [int(c) for c in cpu_list(threads).split(",")])
+    torch.set_num_threads(threads)
+
+
+def request(prompt_token_ids, arrive_at_step: int = 0, **sampling) -> dict:
+    return {"prompt_token_ids": list(prompt_token_ids), "sampling": sampling,
+            "arrive_at_step": arrive_at_step}
+
+
+def vllm_job(model, phases: list[dict], *, dtype: str = "float32", threads: int = 1,
+             **engine_args) -> dict:
+    """One job for vllm_runner.py: a vLLM instance on `model` running `phases` in order."""
+    return {"model": str(model), "dtype": dtype, "cpus": cpu_list(threads),
+            "engine_args": engine_args, "phases": phases}
+
+
+def run_vllm_jobs(jobs: list[dict], *, in_process: bool = False, timeout: float = 1800) -> list[dict]:
+    """Runs the jobs one after another in one `.venv-vllm` subprocess; returns their results.
+
+    `in_process=True` runs vLLM's engine core in the driver's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): tokens are the same and start-up is several times
+    faster, which is what tests want. Benchmarks keep vLLM's default (a separate engine-core
+    process with its OpenMP threads bound to the job's cores), the configuration users run.
+    Raises RuntimeError with vLLM's last lines of output if the subprocess fails."""
+    py = vllm_python()
+    if py is None:
+        raise RuntimeError(MISSING)
+    threads = len(jobs[0]["cpus"].split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, res_path = Path(tmp, "job.json"), Path(tmp, "result.json")
+        job_path.write_text(json.dumps({"jobs": jobs}))
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS=str(threads),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
+        env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton must not run interpreted
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([str(py), str(RUNNER), str(job_path), str(res_path)], env=env,
+                              cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not res_path.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
+        return json.loads(res_path.read_text())["jobs"]
+
+
+def run_vllm(model, phases: list[dict], *, dtype: str = "float32", threads: int = 1,
+             in_process: bool = False, timeout: float = 1800, **engine_args) -> dict:
+    """`run_vllm_jobs` for a single job."""
+    job = vllm_job(model, phases, dtype=dtype, threads=threads, **engine_args)
+    return run_vllm_jobs([job], in_process=in_process, timeout=timeout)[0]
+
+
+def _logprob_rows(rows) -> list | None:
+    if rows is None:
+        return None
+    return [None if pos is None else sorted(([int(t), float(lp.logprob), int(lp.rank or 0)]
+                                             for t, lp in pos.items()), key=lambda r: (r[2], r[0]))
+            for pos in rows]
+
+
+def run_mini(model: str, phases: list[dict], *, dtype: str = "float32", **engine_args) -> dict:
+    """The same phases through the course's `LLM` ("generate" mode), in this process, in the
+    result format of vllm_runner.py, so that both engines' results compare field by field."""
+    import time
+
+    from mini_vllm import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(str(model), dtype=dtype, **engine_args)
+    load_s = time.perf_counter() - t0
+    out_phases = []
+    for ph in phases:
+        if ph.get("mode", "generate") != "generate":
+            raise ValueError(f"run_mini runs mode 'generate' only, got {ph.get('mode')!r}")
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in ph["requests"]]
+        params = [SamplingParams(**r.get("sampling", {})) for r in ph["requests"]]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        results = [{"outputs": [{"token_ids": list(c.token_ids), "text": c.text,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                 "cumulative_logprob": c.cumulative_logprob,
+                                 "logprobs": _logprob_rows(c.logprobs)}
+                                for c in sorted(o.outputs, key=lambda c: c.index)],
+                    "prompt_logprobs": _logprob_rows(getattr(o, "prompt_logprobs", None)),
+                    "num_cached_tokens": o.num_cached_tokens}
+                   for o in outs]
+        out_phases.append({"name": ph.get("name", ""), "wall_s": wall, "results": results})
+    llm.shutdown()
+    return {"load_s": load_s, "phases": out_phases}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None if equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+if __name__ == "__main__":
+    print(vllm_python() or MISSING, file=sys.stderr)

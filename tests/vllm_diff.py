@@ -1,0 +1,86 @@
+"""Comparing the course's engine with real vLLM, position by position.
+
+Both engines compute in fp32 but not in the same order (vLLM's CPU kernels fuse and
+tile differently), so two logits that are almost equal can swap places. When that
+happens the argmax legitimately differs and everything after it is a different
+continuation. The rule: a request is compared up to the first generated position where
+vLLM's own top-2 logprob margin is below `TIE_MARGIN`; positions before it must match
+exactly (tokens) and closely (top-k logprobs, `LOGPROB_TOL`). A test also asserts that
+such ties cut off no more than 10% of all positions, so the rule cannot hollow it out.
+"""
+from __future__ import annotations
+
+TIE_MARGIN = 1e-4
+LOGPROB_TOL = 1e-4
+
+
+def tie_cut(vllm_logprobs, n_tokens: int) -> int:
+    """Number of leading positions that are safe to compare (no near-tie in vLLM's top-2)."""
+    if vllm_logprobs is None:
+        return n_tokens
+    for i, row in enumerate(vllm_logprobs[:n_tokens]):
+        top = sorted((lp for _, lp, _ in row), reverse=True)
+        if len(top) >= 2 and top[0] - top[1] < TIE_MARGIN:
+            return i
+    return n_tokens
+
+
+def compare_completion(want: dict, got: dict, where: str, top_k: int = 0) -> tuple[int, int, list[str]]:
+    """(positions compared, positions in all, problems) for one completion."""
+    wt, gt = want["token_ids"], got["token_ids"]
+    cut = tie_cut(want.get("logprobs"), len(wt))
+    problems = []
+    for i in range(cut):
+        if i >= len(gt) or gt[i] != wt[i]:
+            seen = gt[i] if i < len(gt) else "nothing (ended early)"
+            problems.append(f"{where}: token {i} is {seen}, vLLM has {wt[i]} "
+                            f"(vLLM {wt[:i + 1]}, engine {gt[:i + 1]})")
+            return cut, len(wt), problems
+        if top_k and want.get("logprobs") is not None:
+            problems += compare_top_k(want["logprobs"][i], got["logprobs"][i], top_k, f"{where} token {i}")
+    if cut == len(wt) and len(gt) != len(wt):
+        problems.append(f"{where}: engine generated {len(gt)} tokens, vLLM {len(wt)} "
+                        f"(finish {got.get('finish_reason')!r} vs vLLM's {want.get('finish_reason')!r})")
+    return cut, len(wt), problems
+
+
+def compare_top_k(want_row, got_row, k: int, where: str) -> list[str]:
+    """vLLM's top-k (rank <= k) must appear in the engine's top-k with logprobs within
+    LOGPROB_TOL; a token may be missing only where it ties the k-th value (an order swap)."""
+    if got_row is None:
+        return [f"{where}: engine returned no logprobs"]
+    got = {t: lp for t, lp, r in got_row if r <= k}
+    if len(got) < k:
+        return [f"{where}: engine returned {len(got)} top logprobs, asked for {k}"]
+    kth = min(got.values())
+    out = []
+    for t, lp, r in want_row:
+        if r > k:
+            continue
+        if t not in got:
+            if abs(lp - kth) > LOGPROB_TOL:
+                out.append(f"{where}: vLLM's rank-{r} token {t} ({lp:.6f}) is not in the engine's top {k}")
+        elif abs(got[t] - lp) > LOGPROB_TOL:
+            out.append(f"{where}: logprob of token {t} is {got[t]:.6f}, vLLM {lp:.6f} "
+                       f"(diff {abs(got[t] - lp):.2e} > {LOGPROB_TOL})")
+    return out
+
+
+def compare_phase(want_phase: dict, got_phase: dict, top_k: int = 0,
+                  fields=("finish_reason", "stop_reason", "text")) -> tuple[int, int, list[str]]:
+    """Compares every completion of a phase; `fields` must be equal where no tie cut."""
+    compared = total = 0
+    problems: list[str] = []
+    for r, (w, g) in enumerate(zip(want_phase["results"], got_phase["results"])):
+        if len(w["outputs"]) != len(g["outputs"]):
+            problems.append(f"request {r}: {len(g['outputs'])} completions, vLLM {len(w['outputs'])}")
+            continue
+        for c, (wc, gc) in enumerate(zip(w["outputs"], g["outputs"])):
+            where = f"{want_phase['name']} request {r} completion {c}"
+            n, t, p = compare_completion(wc, gc, where, top_k)
+            compared, total, problems = compared + n, total + t, problems + p
+            if n == t and not p:
+                for f in fields:
+                    if wc.get(f) != gc.get(f):
+                        problems.append(f"{where}: {f} is {gc.get(f)!r}, vLLM {wc.get(f)!r}")
+    return compared, total, problems
