@@ -56,7 +56,9 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """Chapter 1's Triton kernels (`mini_vllm.kernels`): the GPU path."""
+    """Chapter 1's Triton kernels (`mini_vllm.kernels`): the GPU path, compiled
+    on CUDA; on a CPU they run in Triton's interpreter (the tests serve whole
+    models that way, slowly, to check this path without a GPU)."""
 
     name = "triton"
 

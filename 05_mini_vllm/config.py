@@ -7,7 +7,8 @@ at construction, each a ValueError that names the field and its allowed range:
 * block_size in {8, 16, 32} (the sizes the kernels and tests cover);
 * dtype is one of float32 / bfloat16 / float16 (or their short names);
 * exactly one KV budget applies: `num_gpu_blocks_override` when set, else
-  `kv_cache_memory_bytes` on CPU, else `gpu_memory_utilization` on CUDA.
+  `kv_cache_memory_bytes` when set (any device), else `gpu_memory_utilization`
+  on CUDA and 512 MiB on CPU.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     num_cpu_blocks: int = 0               # swap space, in blocks
     swap_space: float = 0.0               # swap space in GiB (vLLM v0's name); adds blocks
-    kv_cache_memory_bytes: int | None = None  # CPU default: 512 MiB
+    kv_cache_memory_bytes: int | None = None  # any device; unset: 512 MiB on CPU
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0

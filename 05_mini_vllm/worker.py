@@ -5,9 +5,9 @@ vLLM counterpart: `vllm/v1/worker/gpu_worker.py` (`Worker.load_model`,
 
 KV budget, in order of precedence:
 * `num_gpu_blocks_override` (tests use it to force preemption);
-* CPU: `kv_cache_memory_bytes` (default 512 MiB);
-* CUDA: `gpu_memory_utilization` x total memory, minus the peak that a
-  profiling forward pass of `max_num_batched_tokens` tokens reached.
+* `kv_cache_memory_bytes` when set, on any device (CPU default: 512 MiB);
+* otherwise on CUDA: `gpu_memory_utilization` x total memory, minus the peak
+  that a profiling forward pass of `max_num_batched_tokens` tokens reached.
 
 Tensor parallelism: a worker is one rank; it builds the model inside its
 group (each layer keeps only its shard) and allocates the KV cache of its own
@@ -58,9 +58,9 @@ class Worker:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             n_gpu = cfg.num_gpu_blocks_override
-        elif self.device.type == "cuda":
+        elif self.device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
             n_gpu = self._profile_cuda_blocks(max_num_batched_tokens)
-        else:
+        else:  # an explicit byte budget wins on CUDA too, as in vLLM
             budget = cfg.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
             n_gpu = num_blocks_for_budget(budget, self.bytes_per_block, "kv_cache_memory_bytes")
         n_gpu = min_over_ranks(n_gpu, self.tp_group)  # block ids mean the same on every rank

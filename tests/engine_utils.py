@@ -2,12 +2,18 @@
 greedy workloads, and check that every KV block came back."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.tiny_models import model_path
 
 SMALL_KV = 8 << 20  # 8 MiB: ~200 blocks of the tiny target in fp32, cheap to allocate
+# `make gpu-check` runs the engine tests on CUDA with the Triton backend by setting
+# these; unset, the engine runs on the CPU with its default backend.
+DEVICE = os.environ.get("MINI_VLLM_TEST_DEVICE", "cpu")
+ATTENTION_BACKEND = os.environ.get("MINI_VLLM_TEST_ATTENTION_BACKEND") or None
 
 
 def target_path() -> str:
@@ -17,7 +23,8 @@ def target_path() -> str:
 def make_llm(path: str | None = None, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("kv_cache_memory_bytes", SMALL_KV)
-    kw.setdefault("device", "cpu")
+    kw.setdefault("device", DEVICE)
+    kw.setdefault("attention_backend", ATTENTION_BACKEND)
     return LLM(path or target_path(), **kw)
 
 
