@@ -1,0 +1,146 @@
+"""`make gpu-check`: the engine on a CUDA machine, checked and measured in one run.
+
+vLLM counterparts: `benchmarks/benchmark_throughput.py`,
+`benchmarks/kernels/benchmark_paged_attention.py`, `benchmark_latency.py
+--profile` and `collect_env.py`, in one script with one report.
+
+Uses the Python, PyTorch, Triton and transformers already installed (minimum
+versions in `gpu_check_parts/environment.py`, checked first) and imports
+`mini_vllm` from this checkout without installing it. Sections, in order
+(each one's failure is recorded and the next one still runs):
+
+  cuda_tests    every test file that runs on the GPU when there is one, plus the
+                engine parity and invariance tests on CUDA with the triton backend
+  throughput    a random Qwen3-0.6B-shaped bf16 checkpoint on nano-vllm's workload:
+                engine vs HF generate (static batches, continuous batching), greedy check
+  attention_bw  decode attention bytes/s against the device's peak
+  step_profile  torch.profiler: device-busy vs wall time per decode step, batch 1/8/64/256
+  memory        gpu_memory_utilization sizing: blocks chosen, memory left at the peak
+
+Writes `report.json` and `report.md` (plus the pytest log) into --out. Exit
+status 0 when every section ran and every correctness check passed (speed
+goals are reported, not enforced); 1 otherwise; 2 when the environment is unfit.
+
+Run: python benchmarks/gpu_check.py --out gpu-report           (CUDA, about 13 minutes on an H100)
+     python benchmarks/gpu_check.py --out /tmp/r --device cpu --small   (seconds: the script's own test)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+from gpu_check_parts import environment
+
+SECTIONS = ("cuda_tests", "throughput", "attention_bw", "step_profile", "memory")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="folder for report.json, report.md and logs")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny shapes: seconds on a CPU (the script's own test)")
+    ap.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and not args.small:
+        ap.error("--device cpu needs --small: the full plan (a 0.6B model, 256 long requests) takes hours on a CPU")
+    return args
+
+
+def _section(name: str, fn, report: dict, start: float, deadline_s: float) -> None:
+    if time.monotonic() - start > deadline_s:
+        report["sections"][name] = {"status": "skipped: past the deadline", "seconds": 0.0}
+        return
+    t = time.monotonic()
+    print(f"== {name}", flush=True)
+    try:
+        result = fn()
+        result["status"] = "ok"
+    except Exception:  # recorded in the report; the next section still runs
+        result = {"status": "error", "error": traceback.format_exc(limit=8)}
+        print(result["error"], file=sys.stderr, flush=True)
+    result["seconds"] = time.monotonic() - t
+    report["sections"][name] = result
+
+
+def checks(sections: dict) -> list[dict]:
+    """Correctness verdicts (the exit status); speed goals are separate."""
+    s = sections
+    out = [{"name": f"section {n} ran", "ok": v["status"] == "ok"} for n, v in s.items()
+           if not v["status"].startswith("skipped: not selected")]
+    if s.get("cuda_tests", {}).get("status") == "ok":
+        out.append({"name": "CUDA tests passed", "ok": s["cuda_tests"]["ok"]})
+    tp = s.get("throughput", {})
+    if tp.get("status") == "ok":
+        out.append({"name": "greedy tokens agree with HF (tie-aware, first requests)", "ok": tp["greedy_check"]["ok"]})
+        out.append({"name": "every request got exactly max_tokens",
+                    "ok": not tp["engine"]["requests_with_wrong_length"]})
+    mem = s.get("memory", {})
+    if mem.get("status") == "ok":
+        out.append({"name": "KV cache sizing stayed within its budget", "ok": bool(mem["within_utilization"])})
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before any mini_vllm import
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    environment.use_source_tree()
+    versions = environment.installed_versions()
+    too_old = environment.check_versions(versions)
+    if too_old:
+        print("gpu-check: " + "; ".join(too_old), file=sys.stderr)
+        return 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: --device cuda but torch.cuda.is_available() is False "
+              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})", file=sys.stderr)
+        return 2
+    from gpu_check_parts import attention_bw, checkpoint, cuda_tests, memory, step_profile, throughput
+    from gpu_check_parts.plan import free_device_memory, make_plan
+
+    plan = make_plan(args.device, args.small)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    info = environment.device_info(args.device)
+    report = {"meta": {"device": args.device, "small": args.small, "versions": versions, "device_info": info,
+                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "mini_vllm_from": str(environment.REPO), "plan": plan.__dict__},
+              "sections": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_model_") as tmp:
+        model_dir = Path(tmp)
+        report["meta"]["checkpoint"] = checkpoint.write_checkpoint(model_dir, args.small, args.device)
+        vocab = report["meta"]["checkpoint"]["vocab_size"]
+        free_device_memory(args.device)
+        runs = {"cuda_tests": lambda: cuda_tests.run(args.out, args.device, args.small, plan.tests_timeout_s),
+                "throughput": lambda: throughput.run(str(model_dir), plan),
+                "attention_bw": lambda: attention_bw.run(plan, info["name"]),
+                "step_profile": lambda: step_profile.run(str(model_dir), plan, vocab),
+                "memory": lambda: memory.run(str(model_dir), plan, vocab)}
+        for name in SECTIONS:
+            if args.only and name not in args.only:
+                report["sections"][name] = {"status": "skipped: not selected", "seconds": 0.0}
+                continue
+            _section(name, runs[name], report, start, plan.deadline_s)
+            free_device_memory(args.device)
+    from gpu_check_parts import report as rep
+
+    report["meta"]["seconds"] = time.monotonic() - start
+    report["checks"] = checks(report["sections"])
+    report["goals"] = rep.goals(report["sections"], args.device)
+    rep.write(args.out, report)
+    ok = all(c["ok"] for c in report["checks"])
+    print(f"gpu-check: {'all checks passed' if ok else 'FAILED'}; report in {args.out}/report.md", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

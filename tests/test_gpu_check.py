@@ -1,0 +1,151 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) on the CPU: the script end to end, and its logic.
+
+The end-to-end run is the script's `--device cpu --small` mode in a
+subprocess (tiny shapes, the Triton kernels in the interpreter): every
+section must run, every correctness check pass, and the report carry the
+fields the GPU run fills. The unit tests pin the pieces whose mistakes would
+make a GPU report wrong without failing it: the busy-time union, the
+tie-aware greedy rule, the workload, version checks, JUnit parsing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the script's sections live there, not in the package
+
+from gpu_check_parts import attention_bw, cuda_tests, environment, greedy_check, step_profile  # noqa: E402
+from gpu_check_parts.plan import make_plan  # noqa: E402
+from gpu_check_parts.throughput import nano_vllm_workload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                           "--device", "cpu", "--small"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"gpu_check --device cpu --small failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_small_cpu_run_fills_every_section(report):
+    out, r = report
+    plan = make_plan("cpu", small=True)
+    assert {n: v["status"] for n, v in r["sections"].items()} == {n: "ok" for n in
+        ("cuda_tests", "throughput", "attention_bw", "step_profile", "memory")}, "a section did not run"
+    assert r["checks"] and all(c["ok"] for c in r["checks"]), f"a correctness check failed: {r['checks']}"
+    t = r["sections"]["cuda_tests"]
+    assert t["tests"] > 0 and t["passed"] == t["tests"] and (out / t["log"]).exists(), \
+        "the pytest subset ran nothing, or its JUnit counts were misread"
+
+    tp = r["sections"]["throughput"]
+    assert tp["engine"]["output_tokens"] == tp["workload"]["output_tokens"] > 0, \
+        "the engine must produce exactly the workload's max_tokens per request"
+    assert [h["batch_size"] for h in tp["hf_static"]] == list(plan.hf_batch_sizes)
+    assert all(h["tok_per_s"] > 0 and h["requests"] == plan.num_requests for h in tp["hf_static"]), \
+        "the small plan's HF static batches must cover the whole workload"
+    assert tp["hf_continuous"]["status"] in ("ok", "not available in this transformers")
+    assert len(tp["greedy_check"]["requests"]) == plan.greedy_requests
+    assert tp["engine_over_best_hf_static"] == pytest.approx(
+        tp["engine"]["tok_per_s"] / max(h["tok_per_s"] for h in tp["hf_static"])), "the throughput ratio is miscomputed"
+
+    a = r["sections"]["attention_bw"]
+    assert [(row["batch"], row["context"]) for row in a["rows"]] == [
+        (b, c) for b in plan.attn_batches for c in plan.attn_contexts], "attention shapes missing"
+    assert all(row["varlen"]["bytes_per_s"] > 0 and row["decode_vs_varlen_max_diff"] < 1e-2 for row in a["rows"]), \
+        "the decode and varlen launches must agree on the same decode batch"
+
+    p = r["sections"]["step_profile"]
+    assert [q["batch"] for q in p["rows"]] == list(plan.profile_batches)
+    assert all(q["device_busy_ms_per_step"] > 0 and q["running_during_profile"] == q["batch"] for q in p["rows"]), \
+        "the profile saw no busy time, or requests finished before the profiled steps"
+
+    m = r["sections"]["memory"]
+    kvh, d = 2, 16  # the small checkpoint: 2 layers, 2 KV heads of 16, bf16
+    per_block = 2 * 2 * plan.block_size * kvh * d * 2
+    assert (m["bytes_per_block"], m["num_gpu_blocks"]) == (per_block, plan.kv_cache_memory_bytes // per_block), \
+        "the KV block count must be the byte budget divided by 2 x layers x block x kv_heads x head_dim x 2 bytes"
+
+    assert [g["name"] for g in r["goals"]] == ["engine_over_hf_static", "decode_attention_fraction_of_peak",
+                                               "batch1_step_wall_over_busy"]
+    assert all(g["met"] is None for g in r["goals"]), "speed goals must not be judged on a CPU run"
+    md = (out / "report.md").read_text()
+    for heading in ("## Verdict", "## Goals", "## CUDA tests", "## Throughput", "## Decode attention bandwidth",
+                    "## Decode step profile", "## KV cache sizing"):
+        assert heading in md, f"report.md lacks {heading!r}"
+
+
+def test_nano_vllm_workload_is_the_published_one():
+    reqs = nano_vllm_workload(256, (100, 1024), (100, 1024), 10000)
+    # nano-vllm's README reports 133,966 output tokens for its 256-sequence benchmark.
+    assert sum(m for _, m in reqs) == 133966, "the workload differs from nano-vllm's bench.py draw (seed 0)"
+    assert all(100 <= len(p) <= 1024 and 100 <= m <= 1024 and max(p) <= 10000 for p, m in reqs)
+
+
+def test_union_length_counts_overlaps_once():
+    assert step_profile.union_length([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20, \
+        "overlapping kernel or operator intervals counted twice: device-busy time too high"
+    assert step_profile.union_length([(3, 4), (0, 1)]) == 2
+    assert step_profile.union_length([]) == 0
+
+
+def test_tie_aware_rule_accepts_hf_bf16_choices_and_rejects_clear_losers():
+    # Two near-tied logits 1.8 eps apart; a bf16 error of eps on each flips the order.
+    eps = 0.01
+    ref = torch.tensor([[1.0, 1.0 - 1.8 * eps, 0.0]])
+    low = ref + torch.tensor([[-eps, eps, 0.0]])
+    chosen = int(low.argmax())
+    gaps = greedy_check.tie_aware_gaps(ref, [chosen])
+    noise = (low - ref).abs().max().item()
+    assert chosen == 1 and greedy_check.passes(gaps, noise), \
+        "HF bf16's own argmax must pass: the bound is twice its error, not once"
+    assert not greedy_check.passes(greedy_check.tie_aware_gaps(ref, [2]), noise), \
+        "a token a whole logit behind the maximum must fail"
+    assert greedy_check.common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+
+
+def test_versions_and_peaks():
+    assert environment.parse_version("2.11.0+cu128") == (2, 11, 0)
+    assert environment.parse_version("3.6.0rc1") == (3, 6, 0)
+    found = {"python": "3.12.1", "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0"}
+    assert environment.check_versions(found) == [], "the GPU machine's versions must be accepted"
+    assert environment.check_versions({**found, "transformers": "4.57.1"}) == [
+        "transformers 4.57.1 is older than the minimum 5.0"]
+    assert environment.check_versions({**found, "torch": "2.10.0"}) == [], "2.10 >= 2.4: compare numbers, not text"
+    assert attention_bw.published_peak("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert attention_bw.published_peak("NVIDIA H100 PCIe") == 2.0e12, "PCIe must not match the SXM entry first"
+    assert attention_bw.published_peak("NVIDIA H200") == 4.8e12
+    assert attention_bw.published_peak("Some Other GPU") is None
+
+
+def test_cuda_test_selection_and_junit_parsing(tmp_path):
+    files = cuda_tests.cuda_test_files()
+    for f in ("tests/test_kernels_paged_attention.py", "tests/test_ch5_models.py", "tests/test_ch5_triton_engine.py"):
+        assert f in files, f"{f} runs on the GPU when there is one; the CUDA subset must include it"
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="1" skipped="1">'
+                   '<testcase classname="tests.a" name="t1"/><testcase classname="tests.a" name="t2">'
+                   '<failure message="AssertionError: wrong slot&#10;more"/></testcase>'
+                   '<testcase classname="tests.b" name="t3"><error message="boom"/></testcase>'
+                   '<testcase classname="tests.b" name="t4"><skipped/></testcase></testsuite></testsuites>')
+    got = cuda_tests.parse_junit(xml)
+    assert (got["tests"], got["passed"], got["failures"], got["errors"], got["skipped"]) == (4, 1, 1, 1, 1)
+    assert got["failed"] == [{"test": "tests.a::t2", "kind": "failure", "message": "AssertionError: wrong slot"},
+                             {"test": "tests.b::t3", "kind": "error", "message": "boom"}]
+
+
+def test_cpu_without_small_is_refused(capsys):
+    import gpu_check
+
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--out", "x", "--device", "cpu"])
+    assert "--device cpu needs --small" in capsys.readouterr().err
