@@ -6,7 +6,8 @@ Public API (also exposed, partly as stubs, by `mini_vllm.spec_decode.exercise`).
 # module when it collects the chapter's notebook ("04_spec_decode" is not a
 # valid package name), and relative imports would fail there.
 from mini_vllm.spec_decode.metadata import SpecDecodeMetadata, apply_verify_step, num_accepted_from_output
-from mini_vllm.spec_decode.proposers import DraftModelProposer, NgramProposer, propose_ngram
+from mini_vllm.spec_decode.ngram_proposer import NgramProposer, propose_ngram
+from mini_vllm.spec_decode.proposers import DraftModelProposer
 from mini_vllm.spec_decode.random_draws import generate_exponential_noise, generate_uniform_probs
 from mini_vllm.spec_decode.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,

@@ -1,11 +1,11 @@
 """Draft proposers: who guesses the k tokens that the target then verifies.
 
-vLLM counterparts: `vllm/v1/spec_decode/ngram_proposer.py` (`NgramProposer`)
-and `vllm/v1/spec_decode/draft_model.py` / `eagle.py` (draft-model proposers).
+vLLM counterparts: `vllm/v1/spec_decode/draft_model.py` / `eagle.py`
+(draft-model proposers); the n-gram proposer is in `ngram_proposer.py`.
 
-- `NgramProposer` (prompt lookup): no model at all. If the last n tokens of the
-  context appeared earlier, guess that what followed them then follows again.
-  Its drafts carry no probabilities, so the sampler uses the one-hot q rule.
+- `NgramProposerBase`: the plumbing of a prompt-lookup proposer (argument
+  checks, one context per request); the lookup itself, `propose_ngram`, is
+  plugged in by `ngram_proposer.NgramProposer` (or by the exercise).
 - `DraftModelProposer`: any callable that maps contexts to next-token logits
   drafts k tokens autoregressively, with the *same* sampling processing as the
   target (`sampling.compute_probs`), and returns the draft probabilities the
@@ -15,63 +15,16 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .sampling import SamplingMetadata, compute_probs, sample_from_probs
 
 
-def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int,
-                  occurrence: str = "earliest") -> list[int]:
-    """Prompt-lookup draft for one context.
+class NgramProposerBase:
+    """Prompt-lookup proposer, one context per request; `_propose(tokens, min_n,
+    max_n, k)` is the lookup, set by a subclass."""
 
-    For n = max_n down to min_n: find a start i < len - n with
-    tokens[i:i+n] == tokens[-n:], and return up to k tokens that followed it,
-    tokens[i+n : i+n+k] (fewer if the context ends first). The first n with a
-    match wins; no match for any n gives [].
-
-    `occurrence` picks among several matches of the same n: "earliest" (the
-    smallest i, vLLM's choice in `vllm/v1/spec_decode/ngram_proposer.py`) or
-    "latest" (the largest i). On periodic text the latest match sits one
-    period back, so its continuation runs into the end of the context after a
-    single period: for [7] * 50 and k = 4, "latest" proposes [7] and
-    "earliest" proposes [7, 7, 7, 7].
-
-    Cost: vectorised O(len * n) window comparisons per n (numpy), scanned in
-    geometrically growing chunks from the preferred end, so linear in the
-    context length and much less when a match sits near that end.
-    """
-    if min_n < 1 or max_n < min_n:
-        raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    if occurrence not in ("earliest", "latest"):
-        raise ValueError(f"occurrence must be 'earliest' or 'latest', got {occurrence!r}")
-    arr = np.asarray(tokens, dtype=np.int64)
-    length = arr.shape[0]
-    if k == 0:
-        return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = arr[length - n :]
-        # Candidate starts are 0..length-n-1 (something must follow the match).
-        num_starts, done, chunk = length - n, 0, 256
-        while done < num_starts:
-            size = min(chunk, num_starts - done)
-            lo = done if occurrence == "earliest" else num_starts - done - size
-            windows = np.lib.stride_tricks.sliding_window_view(arr[lo : lo + size + n - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                i = lo + int(hits[0] if occurrence == "earliest" else hits[-1])
-                return arr[i + n : i + n + k].tolist()
-            done, chunk = done + size, chunk * 2
-    return []
-
-
-class NgramProposer:
-    """Prompt-lookup proposer, one context per request."""
-
-    # Indirection so the exercise can plug in the learner's `propose_ngram`.
-    _propose = staticmethod(propose_ngram)
+    _propose = None
 
     def __init__(self, min_n: int = 1, max_n: int = 3, k: int = 4):
         if min_n < 1 or max_n < min_n:

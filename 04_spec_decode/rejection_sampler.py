@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from .rejection_pipeline import PLACEHOLDER_TOKEN_ID, RejectionSamplerPipeline
 from .validation import validate_rejection_inputs
-
-PLACEHOLDER_TOKEN_ID = -1
 # Exact power-of-two scale for the recovery race (see the module docstring):
 # the smallest denormal times 2**64 over any Exp(1) draw stays a normal float,
 # and 1 * 2**64 / noise overflows only for noise < 5e-20 (never, in practice).
@@ -206,64 +205,20 @@ def rejection_sample(
     return out
 
 
-class RejectionSampler:
+def rejection_sample_triton_checked(*args) -> torch.Tensor:
+    """The Triton kernel (`mini_vllm.kernels.rejection_sampler`) after the same input checks."""
+    from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
+
+    validate_rejection_inputs(*args)
+    return rejection_sample_triton(*args)
+
+
+class RejectionSampler(RejectionSamplerPipeline):
     """End-to-end verify step: logits in, emitted tokens out (vLLM's `RejectionSampler.forward`).
 
     backend: "reference" (per-request loop), "torch" (batched) or "triton".
     """
 
-    # The samplers the "reference" and "torch" backends call; the exercise's
-    # subclass swaps in its own, so the end-to-end tests run the learner's code.
     per_request_sampler = staticmethod(rejection_sample_reference)
     batched_sampler = staticmethod(rejection_sample)
-
-    def __init__(self, backend: str = "torch"):
-        if backend not in ("reference", "torch", "triton"):
-            raise ValueError(f"backend must be 'reference', 'torch' or 'triton', got {backend!r}")
-        self.backend = backend
-
-    def __call__(self, metadata, draft_probs, target_logits, sampling, generators=None, draft_logits=None):
-        """metadata: SpecDecodeMetadata; target_logits [sum(k_b + 1), V] (drafts then bonus row per
-        request); draft_probs [T, V] or None; or draft_logits [T, V], which get the same
-        temperature/top-k/top-p processing as the target. Returns [B, max_k + 1] int64."""
-        from .random_draws import generate_exponential_noise, generate_uniform_probs
-        from .sampling import compute_probs, sample_from_probs
-
-        num = metadata.num_draft_tokens
-        batch, vocab = num.shape[0], target_logits.shape[-1]
-        sampling.validate(batch)
-        if target_logits.dim() != 2 or target_logits.shape[0] != int(num.sum()) + batch:
-            raise ValueError(
-                f"target_logits must be [sum(num_draft_tokens + 1) = {int(num.sum()) + batch}, vocab], "
-                f"got {tuple(target_logits.shape)}"
-            )
-        all_greedy = bool(sampling.is_greedy.all())
-        if draft_logits is not None:
-            if draft_probs is not None:
-                raise ValueError("pass draft_probs or draft_logits, not both")
-            # Greedy verification never reads q, so an all-greedy batch skips it.
-            draft_probs = None if all_greedy else compute_probs(draft_logits, sampling, num)
-        target_probs = compute_probs(target_logits[metadata.target_logits_indices], sampling, num)
-        device = target_logits.device
-        is_greedy = sampling.is_greedy.to(device)
-        if all_greedy:
-            # Greedy needs argmaxes only: no random draws, no bonus softmax.
-            uniform = torch.zeros(int(num.sum()), dtype=torch.float32, device=device)
-            recovery_noise = torch.ones(batch, vocab, dtype=torch.float32, device=device)
-            bonus = target_logits[metadata.bonus_logits_indices].argmax(-1)
-        else:
-            bonus_probs = compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
-            # Fixed draw order per seeded request: uniforms, recovery noise, bonus noise.
-            uniform = generate_uniform_probs(num.tolist(), generators, device)
-            recovery_noise = generate_exponential_noise(batch, vocab, generators, device)
-            bonus_noise = generate_exponential_noise(batch, vocab, generators, device)
-            bonus = torch.where(is_greedy, bonus_probs.argmax(-1), sample_from_probs(bonus_probs, bonus_noise))
-        args = (metadata.draft_token_ids, num, draft_probs, target_probs, bonus, is_greedy, uniform, recovery_noise)
-        if self.backend == "reference":
-            return self.per_request_sampler(*args)
-        if self.backend == "torch":
-            return self.batched_sampler(*args)
-        from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
-
-        validate_rejection_inputs(*args)
-        return rejection_sample_triton(*args)
+    triton_sampler = staticmethod(rejection_sample_triton_checked)
