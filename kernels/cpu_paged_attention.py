@@ -32,7 +32,8 @@ type) and each K/V block is widened into an fp32 tile: bf16 by shifting its
 16 bits into the top of an fp32, fp16 by the exponent rebias below. The
 output is fp32 and cast to the query's dtype by torch (round to nearest even).
 `fastmath` allows only reassociation and fused multiply-add, so dot products
-vectorise while -inf and NaN keep IEEE meaning.
+vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
+division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
 Compile: about ten seconds per cache width (uint32, uint16) on first use,
 then loaded from numba's on-disk cache (`cache=True`: `__pycache__` beside this
@@ -106,7 +107,7 @@ def _widen_block(cache, phys, kvh, n, fmt, tile):
                 tile[j, d] = _fp16_to_fp32(cache[phys, j, kvh, d])
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start, q_len, t0, t1, kvh,
                  group, fmt, scale, q_tile, acc, m, l, scores, k_tile, v_tile):
     """Query tokens t0..t1-1 of one sequence x the group of KV head kvh, over

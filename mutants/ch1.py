@@ -16,6 +16,10 @@ SLOT = "01_paged_attention/slot_mapping.py"
 ATTN = "01_paged_attention/attention.py"
 CACHE = "01_paged_attention/cache_ops.py"
 ALLOC = "01_paged_attention/kv_cache.py"
+# The compiled CPU kernel (the engine's default CPU attention) gets its own
+# mistakes, caught by its own tests against the dense oracle and the reference.
+CPU_KERNEL = "kernels/cpu_paged_attention.py"
+CPU_TESTS = ["tests/test_kernels_cpu_attention.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -114,5 +118,70 @@ MUTANTS: list[Mutant] = [
         new="if n > len(self._free) + n:\n            raise NoFreeBlocksError",
         tests=TESTS,
         why="allocate_n hands out blocks before finding there are not enough: a failed call leaks",
+    ),
+    Mutant(
+        name="cpu_no_causal_offset",
+        path=CPU_KERNEL,
+        old="context_len = seq_len - q_len  # query t sits",
+        new="context_len = 0  # query t sits",
+        tests=CPU_TESTS,
+        why="cpu kernel: chunk and decode queries placed at positions 0..q_len-1, not the last q_len of seq_len",
+    ),
+    Mutant(
+        name="cpu_gqa_head_mapping_mod",
+        path=CPU_KERNEL,
+        old="_widen_block(key_cache, phys, kvh, n, fmt, k_tile)\n        _widen_block(value_cache, phys, kvh, n,",
+        new="_widen_block(key_cache, phys, (kvh * group) % key_cache.shape[2], n, fmt, k_tile)\n"
+            "        _widen_block(value_cache, phys, (kvh * group) % key_cache.shape[2], n,",
+        tests=CPU_TESTS,
+        why="cpu kernel: query head h reads KV head h % num_kv_heads instead of h // group",
+    ),
+    Mutant(
+        name="cpu_read_past_seq_len",
+        path=CPU_KERNEL,
+        old="n = min(block_size, kv_end - start)  # never a slot",
+        new="n = block_size  # never a slot",
+        tests=CPU_TESTS,
+        why="cpu kernel: the whole last block is read, slots past seq_len (masked, but 0 * NaN = NaN) included",
+    ),
+    Mutant(
+        name="cpu_softmax_without_running_max",
+        path=CPU_KERNEL,
+        old="m_new = max(m_new, s)",
+        new="m_new = max(m_new, np.float32(0.0))",
+        tests=CPU_TESTS,
+        why="cpu kernel: exp(score) without subtracting the running max overflows fp32 on large logits",
+    ),
+    Mutant(
+        name="cpu_no_rescale",
+        path=CPU_KERNEL,
+        old="acc[r, d] *= alpha",
+        new="acc[r, d] *= 1.0",
+        tests=CPU_TESTS,
+        why="cpu kernel: the accumulator keeps earlier blocks' weights when the running max grows",
+    ),
+    Mutant(
+        name="cpu_causal_misses_own_token",
+        path=CPU_KERNEL,
+        old="if j > last:",
+        new="if j >= last:",
+        tests=CPU_TESTS,
+        why="cpu kernel: a query does not see the key at its own position",
+    ),
+    Mutant(
+        name="cpu_assumes_contiguous_blocks",
+        path=CPU_KERNEL,
+        old="phys = table_row[b]",
+        new="phys = table_row[0] + b",
+        tests=CPU_TESTS,
+        why="cpu kernel: a sequence's blocks taken as consecutive ids from its first block, not from the table",
+    ),
+    Mutant(
+        name="cpu_bf16_low_half",
+        path=CPU_KERNEL,
+        old="np.uint32(np.uint32(cache[phys, j, kvh, d]) << 16)",
+        new="np.uint32(cache[phys, j, kvh, d])",
+        tests=CPU_TESTS,
+        why="cpu kernel: bf16 bits widened into the low half of an fp32 (tiny denormals) instead of the high half",
     ),
 ]

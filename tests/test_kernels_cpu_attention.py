@@ -90,12 +90,17 @@ def test_large_logits_need_the_running_max():
     """Scores of several hundred: exp overflows fp32 unless each block's scores
     are taken relative to the running max. Integer q, k and a power-of-two
     scale make every score exact, so the tight bound still holds."""
-    batch = RaggedBatch(seq_lens=(45, 30), q_lens=(1, 30))
-    g = torch.Generator().manual_seed(5)
-    ints = lambda n, h: torch.randint(-8, 9, (n, h, 16), generator=g).float()  # noqa: E731
-    out = check_varlen(batch, scrambled_layout(batch.seq_lens, 8, seed=5), GQAShape(4, 2, 16), torch.float32,
-                       scale=4.0, values=ints)
+    batch, shape = RaggedBatch(seq_lens=(45, 30), q_lens=(1, 30)), GQAShape(4, 2, 16)
+    layout = scrambled_layout(batch.seq_lens, 8, seed=5)
+    ints = lambda n, h: torch.randint(-8, 9, (n, h, 16), generator=torch.Generator().manual_seed(n * h)).float()  # noqa: E731
+    key_cache, value_cache, tables, seq_lens, ks, _, qs = build_cache(batch, layout, shape, torch.float32, 5, ints)
+    top = max((torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(2, dim=1)) * 4.0).max().item()
+              for q, k in zip(qs, ks))
+    assert top > 100, f"the largest score is {top}: too small to overflow exp without the running max"
+    out = paged_attention_varlen(torch.cat(qs), key_cache, value_cache, tables,
+                                 torch.tensor(batch.cu_seqlens_q, dtype=torch.int32), seq_lens, 4.0)
     assert out.isfinite().all(), "softmax overflowed: scores were exponentiated without the running max"
+    check_varlen(batch, layout, shape, torch.float32, seed=5, scale=4.0, values=ints)
 
 
 def test_long_prefill_spans_many_query_tiles(monkeypatch):
