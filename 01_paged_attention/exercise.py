@@ -6,7 +6,8 @@ Run the tests against this file with
 
 Start with `tests/test_ch1_examples.py`: each small case there names the
 mistake it catches (off-by-one slot, GQA head mapping, causal offset, reading
-past seq_len, -1 padding). The allocator and the cache allocation are given
+past seq_len, -1 padding). Stuck? `01_paged_attention/HINTS.md` has hints in
+three levels, from the idea to a near-solution; read only as much as you need. The allocator and the cache allocation are given
 (`kv_cache.py`), and so are the argument checks of attention and
 `reshape_and_cache` (`checks.py`); the functions below are yours.
 
@@ -43,10 +44,10 @@ def compute_slot_mapping(block_tables, req_indices, positions, block_size: int) 
     Zero tokens give an empty int64 tensor.
     """
     raise NotImplementedError(
-        "compute_slot_mapping: validate as the docstring lists (check_tensor(name, t, ndim=..., dtypes=..., "
-        "device=...) from mini_vllm.kernels.validation does the tensor checks), then look up the physical block "
-        "block_tables[req, pos // block_size] and add the offset pos % block_size: "
-        "slot = block * block_size + offset. Index with int64 copies (.long()) and return int64."
+        "compute_slot_mapping(block_tables [num_reqs, max_blocks] int32, req_indices [T], positions [T], "
+        "block_size) -> int64 [T]: the flat cache slot (in [0, num_blocks * block_size)) that holds token "
+        "(req_indices[t], positions[t]) under that request's block table; raise ValueError as the docstring "
+        "lists (check_tensor from mini_vllm.kernels.validation does the tensor checks)."
     )
 
 
@@ -57,19 +58,20 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     # (dtype, shape, device, slot outside [-1, num_blocks * block_size)).
     _, block_size, _, _ = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     raise NotImplementedError(
-        "reshape_and_cache: keep only tokens whose slot is >= 0 (slot -1 is padding and writes nothing; "
-        "as an index it would hit the cache's last slot), split each slot into "
-        "(slot // block_size, slot % block_size) and assign key_cache[block, offset] = key[token] "
-        "(same for value). Return nothing."
+        "reshape_and_cache(key, value [T, kv_heads, d], key_cache, value_cache [num_blocks, block_size, "
+        "kv_heads, d], slot_mapping [T]) -> None: afterwards the caches, seen as num_blocks * block_size "
+        "flat slots, hold key[t] / value[t] at slot slot_mapping[t]; a slot of -1 is padding and writes "
+        "nothing; every other slot is left untouched."
     )
 
 
 def gather_kv(key_cache, value_cache, block_table_row, seq_len: int):
     """Contiguous K and V [seq_len, num_kv_heads, head_dim] of one sequence (a helper for the two below)."""
     raise NotImplementedError(
-        "gather_kv: take the first ceil(seq_len / block_size) entries of block_table_row (never the -1 "
-        "padding), index key_cache with them (.long()), flatten to [n * block_size, kv_heads, d] and keep "
-        "exactly seq_len rows (slots past seq_len hold stale data). Same for value_cache."
+        "gather_kv(key_cache, value_cache [num_blocks, block_size, kv_heads, d], block_table_row [max_blocks] "
+        "int32, seq_len) -> (K, V), each [seq_len, kv_heads, d]: row j is the KV of the sequence's position j. "
+        "Only the entries of the row that hold positions < seq_len are read (the rest may be -1 padding or "
+        "another sequence's blocks)."
     )
 
 
@@ -85,11 +87,11 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqle
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     raise NotImplementedError(
-        "paged_attention_varlen: for each sequence gather its K/V (gather_kv). GQA: query head h reads KV head "
-        "h // (num_heads // num_kv_heads) (repeat_interleave, not repeat). Scores = q . k * scale in float32. "
-        "Causal mask with an offset: query t of a sequence is position seq_len - q_len + t and sees keys "
-        "0 .. seq_len - q_len + t (a chunk of a prompt sees the whole cached prefix). "
-        "Softmax, @ v, cast to query.dtype."
+        "paged_attention_varlen -> [num_tokens, num_heads, head_dim] in query.dtype: for every query row, "
+        "softmax(q . k * scale) @ v over the keys its position may see (causal: positions up to its own, "
+        "including the sequence's whole cached prefix), computed in float32, as a dense attention over the "
+        "same K/V would give (the tests' oracle, to 1e-5 in fp32). With GQA, query heads share KV heads in "
+        "contiguous groups as in Llama (num_heads // num_kv_heads query heads per KV head)."
     )
 
 
@@ -100,6 +102,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     raise NotImplementedError(
-        "paged_attention_decode: varlen with q_len = 1 per sequence (you may call your paged_attention_varlen "
-        "with cu_seqlens_q = arange(num_seqs + 1) as int32). The query sees all seq_len positions."
+        "paged_attention_decode -> [num_seqs, num_heads, head_dim] in query.dtype: for each sequence, "
+        "attention of its one query over all seq_len cached positions; equal to paged_attention_varlen "
+        "with one query row per sequence."
     )

@@ -3,7 +3,8 @@
 Run the chapter's tests against your code with
     .venv/bin/pytest -q tests/test_ch2_*.py --impl=exercise
 Start with `tests/test_ch2_examples.py`: each of its small cases names the
-mistake it catches.
+mistake it catches. Stuck? `02_kvcache/HINTS.md` has hints in three levels,
+from the idea to a near-solution; read only as much as you need.
 
 You write six pieces:
 - `hash_block_tokens`: one link of the sha256 hash chain;
@@ -43,13 +44,12 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: Sequence[str] | None = None) -> bytes:
     """TODO: the 32-byte sha256 digest of (parent hash, this block's tokens, extra keys)."""
     raise NotImplementedError(
-        "hash_block_tokens: parent_hash None means NONE_HASH (h(None, t) == h(NONE_HASH, t)). Hash ONE "
-        "bytes object holding the parent hash, then the tokens, then each extra key, and return "
-        "hashlib.sha256(data).digest(). The parent must be in it: the same tokens after another prefix "
-        "are other KV. The encoding must be unambiguous: put the token count first and every token as a "
-        "fixed-width integer, e.g. struct.pack('<I{n}q', n, *token_ids), so [1, 2] != [1, 2, 0] and "
-        "[256] != [1, 0]; length-prefix each extra key (utf-8) so ['ab'] != ['a', 'b'] and ['x'] != no "
-        "key. Never Python's hash(): it changes from process to process (PYTHONHASHSEED).")
+        "hash_block_tokens(parent_hash: 32 bytes or None, token_ids, extra_keys: strings or None) -> 32 bytes. "
+        "Contract: equal inputs give equal digests in every process (no Python hash(): PYTHONHASHSEED); "
+        "None and NONE_HASH as parent are the same; any other change gives another digest: the parent "
+        "(the same tokens after another prefix are other KV), any token, the token count ([1, 2] vs "
+        "[1, 2, 0]; [256] vs [1, 0]) and the extra keys (['ab'] vs ['a', 'b'], ['x'] vs none). "
+        "A sha256 digest (collisions must be negligible).")
 
 
 def hash_request_tokens(block_size: int, token_ids: Sequence[int],
@@ -77,29 +77,25 @@ class BlockPool(_given(_bp.BlockPool, "get_new_blocks", "_maybe_evict_cached_blo
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """TODO: take `num_blocks` blocks for new tokens, each with ref_cnt 1."""
         raise NotImplementedError(
-            "get_new_blocks: if num_blocks > self.free_block_queue.num_free_blocks raise ValueError "
-            "('cannot get {n} blocks: only {free} free'). Pop them from the HEAD of the free queue "
-            "(self.free_block_queue.popleft_n: the least recently freed go first, that is LRU). A popped "
-            "block may still be cached: evict it, i.e. self.cached_block_hash_to_block.pop(block.block_hash, "
-            "block.block_id) and block.reset_hash(), or a later lookup of the old hash returns a block "
-            "that now holds other tokens. Then ref_cnt += 1 on each.")
+            "get_new_blocks(num_blocks) -> that many blocks, each with ref_cnt 1, taken from the free "
+            "queue in LRU order (the least recently freed first). A block taken this way no longer answers "
+            "a lookup of the hash it held (its old content is about to be overwritten). Raise ValueError "
+            "when fewer than num_blocks blocks are free, before changing anything.")
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """TODO: take one reference on each block (a prefix hit, or a fork)."""
         raise NotImplementedError(
-            "touch: for each block, if its ref_cnt is 0 it sits in the free queue (cached but evictable): "
-            "unlink it with self.free_block_queue.remove(block), so it cannot be evicted while in use; "
-            "keep its hash. Then ref_cnt += 1 for EVERY block, also one already in use (a block shared "
-            "by two requests has ref_cnt 2).")
+            "touch(blocks) -> None: each block gains one reference (a prefix hit or a fork). Invariant: a "
+            "block is in the free queue iff its ref_cnt is 0, so a touched block can no longer be evicted; "
+            "its hash stays (it is still a cache hit for others).")
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """TODO: drop one reference per listed block; blocks reaching 0 join the queue's tail."""
         raise NotImplementedError(
-            "free_blocks: all or nothing. First check the whole list: a block listed more times than its "
-            "ref_cnt is a double free -> ValueError whose message contains 'double free', raised before "
-            "any count changes. Then ref_cnt -= 1 per entry, and append (free_block_queue.append) each "
-            "block whose ref_cnt reaches 0, in the given order: the first one appended is evicted first. "
-            "A block that still has holders must stay out of the queue.")
+            "free_blocks(ordered_blocks) -> None: each listed block loses one reference; those reaching 0 "
+            "join the free queue's tail in the given order (the first listed is evicted first), keeping "
+            "their hash. All or nothing: a block listed more times than it has references is a double "
+            "free -> ValueError containing 'double free', raised before any count changes.")
 
 
 class KVCacheManager(_given(_km.KVCacheManager, "get_computed_blocks", "free")):
@@ -123,22 +119,19 @@ class KVCacheManager(_given(_km.KVCacheManager, "get_computed_blocks", "free")):
     def get_computed_blocks(self, request: Any) -> tuple[list[KVCacheBlock], int]:
         """TODO: (hit blocks, hit tokens): the longest run of cached full blocks at the head."""
         raise NotImplementedError(
-            "get_computed_blocks: return ([], 0) when not self.enable_caching. At most "
-            "max(request.num_tokens - 1, 0) // self.block_size blocks may hit: the last prompt token is "
-            "always recomputed (the model needs its logits). Take those blocks' hashes with "
-            "self._block_hashes(request, n) and look each up with self.block_pool.get_cached_block(h), in "
-            "order; STOP at the first miss (break, not continue): a later block's KV is only valid after "
-            "all the blocks before it. Do not touch ref counts. Update self.prefix_cache_stats: "
-            "requests += 1, queries += request.num_tokens, hits += hit tokens (= len(hits) * block_size).")
+            "get_computed_blocks(request) -> (blocks, num_tokens): the longest run of cached full blocks "
+            "at the head of the request's tokens, and its length in tokens ([], 0 without caching). The "
+            "last prompt token is never covered (its logits are needed). A block counts only if every block "
+            "before it did. Reference counts are not changed (allocate_slots touches the hits); "
+            "self.prefix_cache_stats counts the request, its tokens (queries) and the hit tokens.")
 
     def free(self, request: Any) -> None:
         """TODO: release all the request's blocks, TAIL FIRST."""
         raise NotImplementedError(
-            "free: blocks = self._pop_request_state(request.request_id); a request that holds nothing "
-            "(unknown, or already freed) is a no-op. Pass the blocks to self.block_pool.free_blocks in "
-            "reverse logical order (reversed(blocks)): the tail then enters the free queue first and is "
-            "evicted first, and the head of a shared prefix stays cached longest. Head first would evict a "
-            "chain's head and orphan the rest of it.")
+            "free(request) -> None: every block the request holds loses its reference, and the request's "
+            "state is forgotten (self._pop_request_state gives its blocks in logical order). Blocks join "
+            "the free queue tail first, so a shared prefix's head stays cached longest. A request that "
+            "holds nothing (unknown or already freed) is a no-op.")
 
 
 __all__ = [

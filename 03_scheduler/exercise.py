@@ -3,7 +3,8 @@
 Run the chapter's tests against your code with
     .venv/bin/pytest -q tests/test_ch3_*.py --impl=exercise
 Start with `tests/test_ch3_examples.py`: each of its small cases names the
-mistake it catches.
+mistake it catches. Stuck? `03_scheduler/HINTS.md` has hints in three levels,
+from the idea to a near-solution; read only as much as you need.
 
 You write four methods:
 - `StepState.schedule_running`: give a running request its Δ, preempting
@@ -55,52 +56,42 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
     def schedule_running(self, req) -> None:
         """TODO: schedule one running request's Δ, preempting until its blocks fit."""
         raise NotImplementedError(
-            "schedule_running: return at once if req.status is not RequestStatus.RUNNING (it was "
-            "preempted earlier in this step). d = self.delta(req, req.num_computed_tokens, "
-            "req.num_tokens_with_spec); return if d <= 0. Then loop: n_spec = max(0, "
-            "req.num_computed_tokens + d - req.num_tokens) (draft positions are lookahead slots); new = "
-            "self.kv.allocate_slots(req, d - n_spec, num_lookahead_tokens=n_spec). If new is not None "
-            "break; else victim = self.pick_victim(), self.preempt(victim), and if the victim is req itself "
-            "RETURN (it is preempted, never scheduled in this step); otherwise retry. After the loop: "
-            "self._commit_running(req, d, n_spec, new).")
+            "schedule_running(req) -> None. Contract: a request that is no longer RUNNING (preempted "
+            "earlier in this step) or has nothing left (self.delta(...) <= 0) is left alone. Otherwise it "
+            "ends either scheduled for its Δ, with KV slots for its new tokens and its drafts as lookahead "
+            "slots (self.kv.allocate_slots), recorded by self._commit_running; or, when the slots do not "
+            "fit, after preempting running requests (self.pick_victim, self.preempt) until they do. If it "
+            "is itself the victim, it is not scheduled in this step.")
 
     def pick_victim(self):
         """TODO: the running request to preempt."""
         raise NotImplementedError(
-            "pick_victim: candidates are the requests of self.s.running NOT yet in self.num_scheduled (a "
-            "request scheduled or admitted in this step already had blocks hashed for tokens it will "
-            "write; the requester itself is always a candidate). fcfs (self.cfg.policy): the LAST "
-            "candidate in running order (the last admitted), whatever its priority. Other policies: the "
-            "largest (priority, arrival_time, index in running): lowest priority, then latest arrival, "
-            "then last admitted.")
+            "pick_victim() -> the running request to preempt. Contract: never a request already "
+            "scheduled or admitted in this step (self.num_scheduled; their blocks may already be shared "
+            "as prefix hits), so the requester itself is always a candidate. fcfs (self.cfg.policy): the "
+            "last admitted, whatever its priority. Other policies: the lowest priority (largest value), "
+            "ties broken by the latest arrival, then by the last admitted.")
 
     def try_admit(self, req) -> bool:
         """TODO: admit waiting `req` if its first chunk fits; True if admitted."""
         raise NotImplementedError(
-            "try_admit: False if len(self.s.running) >= self.cfg.max_num_seqs or self.budget <= 0. A "
-            "swapped-out request (req.swapped_cpu_block_ids non-empty) skips the prefix cache: hits [], "
-            "n_hit 0, computed = req.num_computed_tokens; otherwise hit_blocks, n_hit = self._hits(req) "
-            "and computed = n_hit. d = self.delta(req, computed, req.num_tokens). False if d <= 0, or "
-            "if d < req.num_tokens - computed without self.cfg.enable_chunked_prefill (a prompt then "
-            "goes in whole or waits). False if self.kv.allocate_slots(req, d, n_hit, hit_blocks) is None "
-            "(nothing was changed). Else self._commit_admission(req, d, n_hit, swapped) and True. "
-            "(The reference also asks a Chapter 6 KV connector for tokens beyond the local hit; "
-            "leave that out: these tests run without a connector.)")
+            "try_admit(req) -> True iff the waiting request was admitted. Contract: never more than "
+            "max_num_seqs running, never past the token budget; a request resumes after its prefix hits "
+            "(self._hits), or, swapped out (req.swapped_cpu_block_ids), at its computed tokens with no "
+            "lookup; its first chunk is self.delta(...) and, without chunked prefill, must be the whole "
+            "rest of the prompt. Admitted means its slots were allocated (self.kv.allocate_slots with the "
+            "hits) and self._commit_admission recorded it; not admitted means nothing changed. (The "
+            "reference also asks a Chapter 6 KV connector; these tests run without one.)")
 
 
 class Scheduler(_given(_sched.Scheduler, "schedule")):
     def schedule(self) -> SchedulerOutput:
         """TODO: one scheduling step; returns `st.finish()`."""
         raise NotImplementedError(
-            "schedule: st = StepState(self, self.config.max_num_batched_tokens). fcfs / priority: FIRST "
-            "every request of running_order(self) with st.schedule_running(req) (stop when st.budget == "
-            "0); THEN, only if nothing was preempted (st.preempted empty), admit running down "
-            "waiting_order(self) with st.try_admit(req) and STOP at the first that fails (break, not "
-            "continue: skipping it would let later requests starve it). srtf / two_level (seed 001 "
-            "Algorithm 2): run = running_order(self), cands = waiting_order(self), deltas = "
-            "st.refresh(cands); while budget is left, take whichever is smaller, the next run[i]'s "
-            "st.remaining(run[i]) or the smallest candidate delta (ties go to the running one; no "
-            "candidate once something was preempted or len(self.running) >= max_num_seqs). A running one "
-            "gets st.schedule_running if still RUNNING; a candidate is popped and st.try_admit-ed, and "
-            "on success deltas = st.refresh(cands) (new blocks can be hits for others); if it fails, "
-            "drop all candidates but KEEP serving the running requests. Return st.finish().")
+            "schedule() -> SchedulerOutput (StepState(self, budget).finish()). Contract, fcfs / priority: "
+            "running requests are served first, in running_order; waiting ones are admitted in "
+            "waiting_order only if nothing was preempted in this step, and the first that does not fit "
+            "stops admission (no request overtakes it, or it could starve). srtf / two_level: seed 001 "
+            "Algorithm 2, the request with the least remaining work goes first, running or waiting "
+            "(ties to the running one); a failed admission ends admission but running requests are "
+            "still served. The budget (max_num_batched_tokens) and max_num_seqs are never exceeded.")
