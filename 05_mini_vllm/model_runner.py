@@ -258,7 +258,7 @@ class ModelRunner:
             if n > 0:
                 logits = self.model.compute_logits(hidden[row0:row0 + n])
                 targets = torch.tensor(st.prompt_token_ids[start + 1:start + 1 + n], device=logits.device)
-                lp = gather_logprobs(logits.float(), k, targets)
+                lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
                 ids, vals, ranks = st.prompt_logprobs_in_progress
                 ids[start:start + n] = lp.logprob_token_ids.cpu().numpy()
                 vals[start:start + n] = lp.logprobs.cpu().numpy()
