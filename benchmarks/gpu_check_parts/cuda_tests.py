@@ -7,8 +7,10 @@ on the GPU when there is one: the Triton kernels compiled, the `triton`
 backend serving models, the regressions of Chapters 1 and 4), plus the engine
 parity and invariance tests, which `tests/engine_utils.py` points at CUDA
 and the `triton` backend through MINI_VLLM_TEST_DEVICE and
-MINI_VLLM_TEST_ATTENTION_BACKEND. The verdict comes from pytest's JUnit XML;
-the whole log is kept next to the report.
+MINI_VLLM_TEST_ATTENTION_BACKEND. Deselected on CUDA: the parametrisations
+that ask for the "cpu" backend by name (a CPU-only kernel; CUDA tensors are
+not its input). The verdict comes from pytest's JUnit XML; the whole log is
+kept next to the report.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from gpu_check_parts.environment import REPO
 ENGINE_TESTS = ["tests/test_ch5_engine_parity.py", "tests/test_ch5_engine_invariance.py"]
 # --small: one quick file, enough to run the subprocess, the plugin and the XML parsing.
 SMALL_TESTS = ["tests/test_ch5_kv_budget.py"]
+CUDA_DESELECT = "not cpu"  # pytest -k: test ids of the CPU-only backend carry "[cpu]"
 
 
 def cuda_test_files(tests_dir: Path = REPO / "tests") -> list[str]:
@@ -56,7 +59,7 @@ def run(out_dir: Path, device: str, small: bool, timeout_s: float) -> dict:
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "gpu_check_parts.pytest_plugin", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", *files]
+           f"--junitxml={xml}", *(["-k", CUDA_DESELECT] if device == "cuda" else []), *files]
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
