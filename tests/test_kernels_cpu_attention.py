@@ -115,18 +115,27 @@ def test_long_prefill_spans_many_query_tiles(monkeypatch):
 
 def test_one_and_two_threads_give_identical_bits():
     """Each work item is computed by one thread in a fixed order, so the thread
-    count changes nothing; a race on the per-thread scratch would."""
-    batch = RaggedBatch(seq_lens=(70, 33, 12, 90, 5), q_lens=(70, 1, 12, 17, 1))
+    count changes nothing; a race on the per-thread scratch would. Enough
+    items (24 sequences x 2 KV heads, hundreds of keys each) that both
+    threads run at once."""
+    lens = [(60 + 37 * i) % 300 + 1 for i in range(24)]
+    batch = RaggedBatch(seq_lens=tuple(lens), q_lens=tuple(s if i % 6 == 0 else 1 for i, s in enumerate(lens)))
     layout = scrambled_layout(batch.seq_lens, 16, seed=3)
+    shape = GQAShape(8, 2, 64)
+    key_cache, value_cache, tables, seq_lens, _, _, qs = build_cache(batch, layout, shape, torch.float32, 3)
+    args = (torch.cat(qs), key_cache, value_cache, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
+            seq_lens, 0.125)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = check_varlen(batch, layout, GQAShape(8, 2, 32), torch.float32)
+        one = paged_attention_varlen(*args)
         torch.set_num_threads(2)
-        two = check_varlen(batch, layout, GQAShape(8, 2, 32), torch.float32)
+        for _ in range(3):
+            assert torch.equal(one, paged_attention_varlen(*args)), \
+                "1 and 2 threads disagree: threads share scratch or split an item"
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two), "1 and 2 threads disagree: threads share scratch or split an item"
+    assert_close(one, ref.paged_attention_varlen(*args), torch.float32, "cpu kernel vs reference, 24 sequences")
 
 
 @st.composite
