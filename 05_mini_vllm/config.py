@@ -72,6 +72,9 @@ class EngineConfig:
     # vLLM's --generation-config: "auto" (the model folder's generation_config.json
     # gives default sampling parameters), "vllm" (ignore it) or a folder holding one.
     generation_config: str = "auto"
+    # vLLM's --structured-outputs-config; the one key read here: {"disable_any_whitespace":
+    # bool}, the default of every request's StructuredOutputsParams.disable_any_whitespace.
+    structured_outputs_config: dict | None = None
     # Chapter 6: vLLM's KVTransferConfig shape ({"kv_connector", "kv_role",
     # "kv_connector_extra_config"}); None = no KV connector.
     kv_transfer_config: dict | None = None
@@ -106,6 +109,11 @@ class EngineConfig:
                              f"got {self.swap_space!r} and {self.num_cpu_blocks!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or an int >= 0, got {self.max_logprobs!r}")
+        soc = self.structured_outputs_config
+        if soc is not None and (not isinstance(soc, dict) or set(soc) - {"disable_any_whitespace"}
+                                or not isinstance(soc.get("disable_any_whitespace", False), bool)):
+            raise ValueError("structured_outputs_config must be None or {'disable_any_whitespace': bool}, "
+                             f"got {soc!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}")

@@ -37,8 +37,16 @@ class LLM:
             return [prompts]  # one prompt given as token ids
         return prompts
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: SamplingParams' defaults,
+        overridden by the checkpoint's generation_config.json (vLLM's
+        `LLM.get_default_sampling_params`, with `--generation-config`)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None):
         prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

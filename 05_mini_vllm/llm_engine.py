@@ -16,6 +16,7 @@ import time
 
 from mini_vllm.config import EngineConfig
 from mini_vllm.engine_core import EngineCore
+from mini_vllm.generation_config import get_diff_sampling_param
 from mini_vllm.metrics import EngineMetrics, LoggingStatLogger
 from mini_vllm.output_processor import OutputProcessor
 from mini_vllm.sampling_params import SamplingParams
@@ -73,6 +74,8 @@ class LLMEngine:
         self.stat_logger = LoggingStatLogger(config.stats_log_interval_s) if config.log_stats else None
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else (self.model_config.eos_token_ids or (None,))[0]
+        # The checkpoint's default sampling fields (vLLM's --generation-config).
+        self.default_sampling_params = get_diff_sampling_param(config.model, config.generation_config)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -85,7 +88,7 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def process_inputs(self, prompt, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
         """Validate one request; returns (prompt text, prompt token ids, params)."""
-        params = SamplingParams() if params is None else params
+        params = SamplingParams(**self.default_sampling_params) if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
         text = None
@@ -141,8 +144,12 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs the model's tokenizer; this model folder has none")
             from mini_vllm.structured_output import get_backend
 
+            if (self.config.structured_outputs_config or {}).get("disable_any_whitespace") and \
+                    not params.structured_outputs.disable_any_whitespace:
+                copy = copy or params.clone()  # the server's default for every request
+                copy.structured_outputs.disable_any_whitespace = True
             path = self.config.tokenizer or self.config.model
-            get_backend(path, vocab, self.tokenizer).compile(params.structured_outputs)  # cached for the runner
+            get_backend(path, vocab, self.tokenizer).compile((copy or params).structured_outputs)  # cached
         if n_prompt + params.max_tokens > limit:
             # vLLM serves such a request and stops it at the context limit ("length").
             copy = copy or params.clone()

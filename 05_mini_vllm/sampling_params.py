@@ -38,6 +38,9 @@ from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
 _SAMPLING_EPS = 1e-5
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass
 class StructuredOutputsParams:
     """One output constraint (vLLM's `StructuredOutputsParams`): a JSON schema
@@ -50,9 +53,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # JSON only: no whitespace outside strings (compact output), so a small
+    # model cannot spend its tokens on indentation.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in fields(self)
+                 if f.name in _CONSTRAINTS and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
@@ -65,8 +72,9 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
-        if self.json_object not in (None, True, False):
-            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_any(cls, value) -> "StructuredOutputsParams | None":

@@ -80,11 +80,14 @@ class XgrammarBackend:
     def compile(self, so):
         kind = constraint_kind(so)
         try:
+            ws = not so.disable_any_whitespace
+            seps = None if ws else (",", ":")  # vLLM's compact separators
             if kind == "json":
                 schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-                return self.compiler.compile_json_schema(schema)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                return self.compiler.compile_json_schema(schema, any_whitespace=ws, separators=seps)
+            if kind == "json_object":  # any JSON object (vLLM compiles the same schema)
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=ws,
+                                                    separators=seps)
             if kind == "regex":
                 return self.compiler.compile_regex(so.regex)
             if kind == "choice":

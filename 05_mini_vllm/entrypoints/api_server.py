@@ -92,6 +92,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
             return error_response(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                                   400, None)
         param = _validation_param(first)
+        if first.get("type") == "extra_forbidden":  # honoured or rejected, never ignored
+            return error_response(f"{param} is not a field this server supports (unknown or unsupported "
+                                  "field; it would otherwise be ignored)", 400, param)
         msgs = dict.fromkeys(f"{_validation_param(e) or 'body'}: {e.get('msg')}" for e in errs)
         msg = "; ".join(list(msgs)[:5])
         return error_response(msg or "invalid request", 400, param)
@@ -153,7 +156,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
                     lambda e: list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
         except ValueError as e:
             return value_error_response(e)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -168,6 +172,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         return {"prompt": tok.decode(req.tokens)}
 
     return app
+
+
+def _json_arg(flag: str, value: str | None):
+    import json
+
+    try:
+        return None if value is None else json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be JSON: {e}") from None
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -187,6 +200,10 @@ def run_server(args, engine_kwargs: dict) -> int:
     names = args.served_model_name or [args.model]
     stat_logger = PrometheusStatLogger(names[0])
     api_key = args.api_key or os.environ.get("MINI_VLLM_API_KEY")
+    engine_kwargs = {**engine_kwargs, "generation_config": args.generation_config,
+                     "max_logprobs": args.max_logprobs, "policy": args.policy,
+                     "structured_outputs_config": _json_arg("--structured-outputs-config",
+                                                            args.structured_outputs_config)}
     engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], **engine_kwargs)
     app = build_app(engine, names, args.model, stat_logger, api_key,
                     _read_chat_template(args.chat_template))

@@ -19,3 +19,12 @@ def add_serve_args(p) -> None:
                    help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' (the model's generation_config.json), "
+                        "'vllm' (none) or a folder holding a generation_config.json")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask for (-1: no cap)")
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='JSON, e.g. \'{"disable_any_whitespace": true}\' (compact JSON outputs)')
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "srtf", "two_level"],
+                   help="scheduling policy; 'priority' honours the requests' priority field")

@@ -1,24 +1,33 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-vLLM counterpart: `vllm/entrypoints/openai/protocol.py`. Field names and
+vLLM counterpart: `vllm/entrypoints/openai/completion/protocol.py`,
+`chat_completion/protocol.py` and `serve/engine/protocol.py`. Field names and
 defaults follow OpenAI's API reference, plus vLLM's sampling extras
-(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, ...).
+(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`allowed_token_ids`, `bad_words`, `prompt_logprobs`, `structured_outputs`, ...).
 
-Invariant: these models check only *types*. Ranges (temperature >= 0,
-0 < top_p <= 1, n >= 1, ...) are checked once, by `SamplingParams`, so the
-server and the offline `LLM` reject exactly the same values with the same
-message. `to_sampling_params` is the one place where API names become
-engine names.
+Invariants:
+- No silent no-ops: every field of a request model is honoured or rejected
+  with a 400 naming it, and a field the models do not know is a 400 too
+  (`extra="forbid"`; vLLM only logs a warning).
+- These models check only *types* (and which fields go together). Ranges
+  (temperature >= 0, 0 < top_p <= 1, n >= 1, ...) are checked once, by
+  `SamplingParams`, so the server and the offline `LLM` reject exactly the
+  same values with the same message. `to_sampling_params` is the one place
+  where API names become engine names; a field the request leaves out takes
+  the server's default (the model's generation_config.json, vLLM's
+  `--generation-config auto`), then OpenAI's.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import _CONSTRAINTS as CONSTRAINTS
+from mini_vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -26,8 +35,8 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    # An unknown field is a 400 naming it: accepting it would silently ignore it.
+    model_config = ConfigDict(extra="forbid")
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -43,6 +52,19 @@ class ErrorResponse(OpenAIBaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk (with include_usage)
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -62,9 +84,11 @@ class _SamplingFields(OpenAIBaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # an end-user id for the caller's records; it changes nothing (as in OpenAI)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -74,32 +98,67 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams fields
+    priority: int = 0  # lower is served first; needs the server's --policy priority
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    # Defaults of the fields a request may leave out (vLLM's _DEFAULT_SAMPLING_PARAMS).
+    _DEFAULTS: ClassVar[dict] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs (vLLM's); structured_outputs may add
+        options (disable_any_whitespace) to a response_format constraint."""
+        rf, so = self.response_format, dict(self.structured_outputs or {})
+        if rf is None or rf.type == "text":
+            return StructuredOutputsParams.from_any(so or None)
+        if any(k in so for k in CONSTRAINTS):
+            raise ValueError("response_format and structured_outputs cannot both constrain the output; give one")
+        if rf.type == "json_object":
+            return StructuredOutputsParams.from_any({**so, "json_object": True})
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams.from_any({**so, "json": rf.json_schema.schema_})
+
+    def _params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None,
+                **extra) -> SamplingParams:
+        d = {**self._DEFAULTS, **(defaults or {})}
+        picked = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in self._DEFAULTS}
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, logprobs=logprobs,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            n=self.n, max_tokens=max_tokens, logprobs=logprobs, **picked,
             seed=self.seed, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.structured(), **extra)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # null means 16 too, as in vLLM; 0 only with echo (the prompt alone)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's; echo with logprobs implies it
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        mt = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._params(mt, self.logprobs)
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        self.check_stream_options()
+        mt = 16 if self.max_tokens is None else self.max_tokens
+        if mt == 0 and not self.echo:
+            raise ValueError("max_tokens must be an int >= 1 (0 only with echo=true, to score the prompt), got 0")
+        plp = self.prompt_logprobs
+        if plp is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream=true (use echo with logprobs)")
+        if plp is None and self.echo:
+            plp = self.logprobs
+        # max_tokens=0 with echo: generate one token (the engine's minimum) and drop it.
+        return self._params(1 if mt == 0 else mt, self.logprobs, defaults, prompt_logprobs=plp)
 
 
 class ContentPart(OpenAIBaseModel):
@@ -110,12 +169,18 @@ class ContentPart(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # handed to the chat template with the message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        d = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -125,15 +190,46 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def check_tools(self) -> None:
+        """No tool parser exists here (vLLM: --enable-auto-tool-choice --tool-call-parser),
+        so tools would be ignored: reject them, as vLLM does without a parser."""
+        if self.tools:
+            raise ValueError("tools need a tool-call parser, and this server has none")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs a tool-call parser, and this server has none; only 'none' is accepted")
+
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """`default_max_tokens`: the room left in the context, used when the request
+        and the generation config give no max_tokens."""
+        self.check_tools()
+        self.check_stream_options()
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if mt is None:
+            mt = min(default_max_tokens, (defaults or {}).get("max_tokens", default_max_tokens))
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(default_max_tokens if mt is None else mt, lp)
+        return self._params(mt, lp, defaults)
+
+
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
 
 
 class ModelCard(OpenAIBaseModel):
@@ -142,7 +238,9 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mini-vllm"
     root: str | None = None
+    parent: str | None = None  # set for adapters in vLLM; a base model has none
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIBaseModel):
@@ -156,6 +254,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -1,14 +1,17 @@
 """`POST /v1/chat/completions`: messages through the chat template, then the engine.
 
-vLLM counterpart: `vllm/entrypoints/openai/serving_chat.py`
+vLLM counterpart: `vllm/entrypoints/openai/chat_completion/serving.py`
 (`OpenAIServingChat.create_chat_completion`, `chat_completion_stream_generator`,
 `_create_chat_logprobs`) and `vllm/entrypoints/chat_utils.py`.
 
 Invariants:
 - The prompt is exactly what `LLM.chat` builds: the tokenizer's (or the
   server's `--chat-template`) template applied with add_generation_prompt.
-- Without max_completion_tokens / max_tokens a reply may use the whole
-  context: max_model_len - prompt length (vLLM's default).
+- Without max_completion_tokens / max_tokens a reply may use the rest of the
+  context, max_model_len - prompt length, or the checkpoint's
+  generation_config.json max_new_tokens when smaller (vLLM's defaults).
+- `tools` / `tool_choice` other than "none" are a 400: no tool-call parser
+  exists here, and a template that never sees the tools would ignore them.
 - Streaming sends, per choice, a first chunk with role "assistant", then
   content deltas, then a chunk with finish_reason; the content deltas
   concatenate to the non-streamed message.
@@ -20,8 +23,8 @@ import time
 from fastapi.responses import JSONResponse
 
 from mini_vllm.entrypoints.protocol import ChatCompletionRequest, UsageInfo, random_id
-from mini_vllm.entrypoints.serving_engine import (OpenAIServing, error_response, merge_streams, sse,
-                                                  value_error_response)
+from mini_vllm.entrypoints.serving_engine import (OpenAIServing, clamp_logprob, error_response, merge_streams,
+                                                  sse, value_error_response)
 
 
 def chat_logprobs(entries, k: int) -> dict:
@@ -33,8 +36,8 @@ def chat_logprobs(entries, k: int) -> dict:
         for tid, lp in sorted(d.items(), key=lambda kv: kv[1].rank or 0):
             if lp.rank is not None and 1 <= lp.rank <= k and len(top) < k:
                 t = lp.decoded_token if lp.decoded_token is not None else str(tid)
-                top.append({"token": t, "logprob": lp.logprob, "bytes": list(t.encode())})
-        content.append({"token": tok, "logprob": s.logprob, "bytes": list(tok.encode()),
+                top.append({"token": t, "logprob": clamp_logprob(lp.logprob), "bytes": list(t.encode())})
+        content.append({"token": tok, "logprob": clamp_logprob(s.logprob), "bytes": list(tok.encode()),
                         "top_logprobs": top})
     return {"content": content}
 
@@ -49,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
 
         Encoding runs on the engine thread: a fast tokenizer's encode mutates its
         padding/truncation state and must not race the engine's own encodes."""
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        conv = [m.for_template() for m in messages]
         return await self.engine.run_on_engine(lambda e: self._render(conv, add_generation_prompt))
 
     def _render(self, conv, add_generation_prompt: bool) -> list[int]:
@@ -74,12 +77,13 @@ class OpenAIServingChat(OpenAIServing):
         if (err := self.models.check(req.model)) is not None:
             return err
         try:
+            req.check_tools()  # before rendering: the template would drop the tools
             ids = await self.render(req.messages, req.add_generation_prompt)
             if len(ids) >= self.engine.max_model_len:
                 return error_response(f"messages render to {len(ids)} tokens; the prompt must be "
                                       f"shorter than max_model_len ({self.engine.max_model_len})", 400,
                                       "messages")
-            params = req.to_sampling_params(default_max_tokens=self.engine.max_model_len - len(ids))
+            params = req.to_sampling_params(self.engine.max_model_len - len(ids), self.default_sampling_params)
         except ValueError as e:
             return value_error_response(e)
         return await self.serve(req, [{"prompt_token_ids": ids}], params, random_id("chatcmpl"),
@@ -97,26 +101,38 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": model, "choices": choices, "usage": usage.model_dump()})
+                             "model": model, "choices": choices, "usage": usage.model_dump(),
+                             "system_fingerprint": self.system_fingerprint})
 
     async def _stream(self, req, streams, rid, model):
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        so = req.stream_options
+        include_usage = bool(so and so.include_usage)
+        continuous = include_usage and bool(so.continuous_usage_stats)
         for i in range(req.n):  # the role comes first, as OpenAI sends it
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         usage = UsageInfo()
+        n_out: dict[int, int] = {}
         async for _, out in merge_streams(streams):
             usage.prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
+                n_out[c.index] = n_out.get(c.index, 0) + len(c.token_ids)
                 lp = chat_logprobs(c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": c.finish_reason,
-                                                "stop_reason": c.stop_reason}]})
+                chunk = {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if continuous:  # vLLM: this choice's tokens so far
+                    k = n_out[c.index]
+                    chunk["usage"] = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=k,
+                                               total_tokens=usage.prompt_tokens + k).model_dump()
+                if c.finish_reason is not None and not include_usage:
+                    chunk["system_fingerprint"] = self.system_fingerprint
+                yield sse(chunk)
         if include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-            yield sse({**head, "choices": [], "usage": usage.model_dump()})
+            yield sse({**head, "choices": [], "usage": usage.model_dump(),
+                       "system_fingerprint": self.system_fingerprint})
         yield sse("[DONE]")

@@ -18,9 +18,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
+from pathlib import Path
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -29,7 +31,7 @@ from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse, ModelCard, 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*) ")
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.]*) ")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -52,6 +54,23 @@ def value_error_response(e: ValueError) -> JSONResponse:
     return error_response(msg, 400, param)
 
 
+def system_fingerprint(config) -> str:
+    """`mini-vllm-<version>-<8 hex>`: the hash covers what changes outputs (model,
+    dtype, block size, context, parallelism, speculation), as vLLM's
+    `get_system_fingerprint` hashes its config."""
+    import mini_vllm
+
+    keys = ("model", "dtype", "block_size", "max_model_len", "tensor_parallel_size", "speculative_config",
+            "attention_backend", "generation_config")
+    text = json.dumps({k: str(getattr(config, k, None)) for k in keys}, sort_keys=True)
+    return f"mini-vllm-{mini_vllm.__version__}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
+def clamp_logprob(x: float | None) -> float | None:
+    """-inf is not JSON; OpenAI and vLLM send -9999.0 instead."""
+    return None if x is None else max(x, -9999.0)
+
+
 def sse(obj) -> str:
     """One Server-Sent Event as OpenAI frames it."""
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
@@ -71,7 +90,8 @@ class OpenAIServingModels:
         return error_response(f"The model `{model}` does not exist; served: {self.names}", 404, "model")
 
     def list(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=n, created=self.created, root=self.model_path,
+        root = str(Path(self.model_path).resolve())  # the folder the weights came from, as vLLM gives it
+        return ModelList(data=[ModelCard(id=n, created=self.created, root=root,
                                          max_model_len=self.max_model_len) for n in self.names])
 
 
@@ -79,13 +99,17 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
         self.engine, self.models = engine, models
         self.tokenizer = engine.get_tokenizer()
+        core = engine.engine  # the LLMEngine: its defaults and configuration
+        self.default_sampling_params = dict(core.default_sampling_params)
+        self.system_fingerprint = system_fingerprint(core.config)
+        self.priority_scheduling = core.config.policy == "priority"
 
-    async def start_streams(self, prompts, params, request_id: str, output_kind: str):
+    async def start_streams(self, prompts, params, request_id: str, output_kind: str, priority: int = 0):
         """Add one engine request per prompt; returns their output streams.
 
         Raises the first ValueError after aborting the prompts that were added."""
         added = await asyncio.gather(*(self.engine.add_request(f"{request_id}-{i}", p, params,
-                                                               output_kind=output_kind)
+                                                               priority=priority, output_kind=output_kind)
                                        for i, p in enumerate(prompts)), return_exceptions=True)
         bad = [a for a in added if isinstance(a, BaseException)]
         if bad:
@@ -98,9 +122,12 @@ class OpenAIServing:
     async def serve(self, req, prompts, params, request_id: str, is_disconnected=None):
         """Start one stream per prompt, then answer with the handler's `_stream`
         (Server-Sent Events) or `_full` (one JSON body), as `req.stream` asks."""
+        if req.priority != 0 and not self.priority_scheduling:
+            return error_response("priority must be 0 unless the server schedules by priority "
+                                  "(--policy priority)", 400, "priority")
         try:
             streams = await self.start_streams(prompts, params, request_id,
-                                               "delta" if req.stream else "final_only")
+                                               "delta" if req.stream else "final_only", req.priority)
         except ValueError as e:
             return value_error_response(e)
         model = req.model or self.models.names[0]
