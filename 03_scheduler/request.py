@@ -102,6 +102,9 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Prompt tokens found computed (prefix cache, KV connector) when first scheduled;
+        # -1 until then. Reported back in every output, as vLLM's `num_cached_tokens`.
+        self.num_cached_tokens = -1
         # Draft tokens proposed for the next step (Chapter 4 fills this).
         self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
@@ -180,6 +183,7 @@ class EngineCoreOutput:
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_rejected_spec_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

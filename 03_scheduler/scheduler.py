@@ -180,7 +180,8 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             reason = req.get_finished_reason() if status is not None else None
-            outputs.append(EngineCoreOutput(req.request_id, new_ids, reason, rejected))
+            outputs.append(EngineCoreOutput(req.request_id, new_ids, reason, rejected,
+                                            max(req.num_cached_tokens, 0)))
         return outputs
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:

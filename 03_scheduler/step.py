@@ -78,7 +78,10 @@ class StepState:
     def _record_hits(self, req, n_hit: int) -> None:
         """Count one prefix-cache lookup for an admitted request (a request
         re-admitted after a recompute preemption looks up again and counts
-        again, as vLLM does)."""
+        again, as vLLM does). The request's `num_cached_tokens` keeps its first admission's
+        computed tokens only, as vLLM's does."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
         if self.kv.enable_caching and not getattr(req, "skip_reading_prefix_cache", False):
             st = self.kv.prefix_cache_stats
             st.requests += 1

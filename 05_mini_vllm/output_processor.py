@@ -109,6 +109,7 @@ class OutputProcessor:
                 continue
             self._timing(st, smp, len(o.new_token_ids), now, it)
             smp.token_ids.extend(o.new_token_ids)
+            st.num_cached_tokens = max(st.num_cached_tokens, getattr(o, "num_cached_tokens", 0))
             self._logprobs(smp, o)
             if getattr(o, "prompt_logprobs", None) is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = self._prompt_logprobs(o.prompt_logprobs)

@@ -149,6 +149,18 @@ def test_fork_shares_prompt_blocks(llm):
     assert peak < 12 * 2, f"n=4 held {peak} blocks at peak: the prompt blocks were not shared"
 
 
+def test_num_cached_tokens_reports_the_prefix_hit(llm):
+    """RequestOutput.num_cached_tokens is the prompt tokens served from the prefix cache when
+    the request was first scheduled (vLLM's field): 0 cold, the shared full blocks warm."""
+    prefix = list(range(300, 340))  # 40 tokens = 5 full blocks of 8
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    cold = llm.generate([{"prompt_token_ids": prefix + [7, 8, 9]}], sp, use_tqdm=False)[0]
+    warm = llm.generate([{"prompt_token_ids": prefix + [10, 11]}], sp, use_tqdm=False)[0]
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 40), (
+        f"num_cached_tokens cold/warm = {cold.num_cached_tokens}/{warm.num_cached_tokens}, want 0/40: "
+        "the prefix-cache hit is not reported in the request's output")
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=50), dict(), dict(top_p=0.9)])
 def test_seeded_request_is_batch_invariant(llm, filters):
     sp = SamplingParams(max_tokens=10, temperature=0.8, seed=1234, ignore_eos=True, **filters)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from vllm_side import MISSING, request, run_mini, run_vllm_jobs, vllm_job, vllm_python  # noqa: E402
-from vllm_diff import compare_phase  # noqa: E402
+from vllm_diff import compare_phase, compare_prompt_logprobs  # noqa: E402
 
 from mini_vllm.tiny_models import model_path  # noqa: E402
 
@@ -113,8 +113,10 @@ def feature_phase() -> dict:
         dict(max_tokens=96),  # may end on EOS
     ]
     prompts = corpus_prompts(8, 20, 160, seed=12)
-    return {"name": "features", "requests": [
-        request(p, temperature=0.0, logprobs=2, **kw) for kw in settings for p in prompts]}
+    reqs = [request(p, temperature=0.0, logprobs=2, **kw) for kw in settings for p in prompts]
+    # prompt_logprobs: the prompt's own tokens scored from the prefill's logits.
+    reqs += [request(p, temperature=0.0, logprobs=2, max_tokens=4, prompt_logprobs=5) for p in prompts]
+    return {"name": "features", "requests": reqs}
 
 
 def prefix_phases() -> list[dict]:
@@ -174,11 +176,18 @@ def test_greedy_tokens_and_top5_logprobs_equal_vllm(checkpoints, vllm_results, n
 
 def test_sampling_features_equal_vllm(checkpoints, vllm_results):
     """min_tokens, stop strings (with and without include_stop_str_in_output), stop_token_ids,
-    the three penalties with greedy decoding, max_tokens and EOS: same tokens, text,
-    finish_reason and stop_reason as vLLM for every request."""
+    the three penalties with greedy decoding, max_tokens, EOS and prompt_logprobs: same
+    tokens, text, finish_reason and stop_reason as vLLM for every request, and the prompt's
+    top-5 logprobs (and each prompt token's own) within 1e-4."""
     want = vllm_results["features"]["phases"][0]
     got = run_mini(checkpoints["tiny-py-target"], [feature_phase()], **COMMON)["phases"][0]
     assert_same("features", want, got, top_k=0, fields=("finish_reason", "stop_reason", "text"))
+    scored = [(i, w, g) for i, (w, g) in enumerate(zip(want["results"], got["results"]))
+              if w["prompt_logprobs"] is not None]
+    assert len(scored) == 8, f"vLLM scored {len(scored)} prompts, the workload asks for 8"
+    for i, w, g in scored:
+        problems = compare_prompt_logprobs(w["prompt_logprobs"], g["prompt_logprobs"], 5, f"request {i}")
+        assert not problems, "prompt_logprobs differ from vLLM:\n" + "\n".join(problems[:5])
     reasons = {o["outputs"][0]["finish_reason"] for o in want["results"]}
     assert reasons == {"stop", "length"}, f"the workload should end requests both ways, vLLM gave {reasons}"
 

@@ -84,3 +84,26 @@ def compare_phase(want_phase: dict, got_phase: dict, top_k: int = 0,
                     if wc.get(f) != gc.get(f):
                         problems.append(f"{where}: {f} is {gc.get(f)!r}, vLLM {wc.get(f)!r}")
     return compared, total, problems
+
+
+def compare_prompt_logprobs(want_rows, got_rows, k: int, where: str) -> list[str]:
+    """Prompt logprobs: position 0 has none (no token predicts it); every later position's
+    top-k as in `compare_top_k`, and the prompt token's own logprob (listed even when it
+    ranks below k) within LOGPROB_TOL."""
+    if got_rows is None:
+        return [f"{where}: engine returned no prompt logprobs"]
+    if len(got_rows) != len(want_rows):
+        return [f"{where}: {len(got_rows)} prompt positions, vLLM {len(want_rows)}"]
+    if got_rows[0] is not None:
+        return [f"{where}: the first prompt token has a logprob; vLLM gives None (nothing predicts it)"]
+    out = []
+    for i in range(1, len(want_rows)):
+        out += compare_top_k(want_rows[i], got_rows[i], k, f"{where} prompt position {i}")
+        got = {t: lp for t, lp, _ in got_rows[i]}
+        for t, lp, r in want_rows[i]:
+            if r > k and (t not in got or abs(got[t] - lp) > LOGPROB_TOL):
+                out.append(f"{where} prompt position {i}: logprob of the prompt token {t} is "
+                           f"{got.get(t)}, vLLM {lp:.6f}")
+        if out:
+            return out
+    return out
