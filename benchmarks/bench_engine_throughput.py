@@ -1,24 +1,38 @@
-"""Engine output throughput against Hugging Face `generate` on the tiny target (CPU).
+"""Engine output throughput on the tiny target (CPU), side by side with real vLLM and
+against Hugging Face `generate`.
 
 Workload: 256 requests, prompts cut from the standard library with 16-512
-tokens, 16-256 output tokens each with ignore_eos, fixed seed. HF runs static
-batches of size 1, 8 and 32 (left padded; a batch runs until its longest
-request is done, as static batching does) and the best one is the baseline.
-Before timing, greedy tokens of the engine and of HF (batch 1, unpadded) are
-compared on the first requests. Also reported: the same engine with
-max_num_seqs=1 (no batching), which isolates what continuous batching buys.
-Goal: engine >= 3x the best HF static batch.
+tokens, 16-256 output tokens each with ignore_eos, fixed seed, fp32.
 
-The run also prints how much *work* each static batch size does per unit of
-useful work (padded tokens through the linear layers, query-key pairs in
-prefill, keys read per decoded token): at equal speed per unit of work, these
-ratios bound what continuous batching alone can gain over static batching.
+Against vLLM (when `make vllm` has been run): both engines get equal settings
+(block size 32, since vLLM's CPU attention needs a multiple of 32; 1 GiB of KV
+cache each, enough that neither preempts; max_num_seqs 128; a 2,048-token step
+budget) and the same cores: this process is pinned to the cores vLLM's OpenMP
+threads are bound to. vLLM runs in its default configuration (compiled, its
+engine core in a separate process) through `vllm_runner.py --session`, so its
+start-up is paid once and its runs interleave with the engine's. Before timing,
+the first 64 requests run through both with logprobs and must agree token for
+token (up to vLLM's own near-ties, see vllm_diff.py); every timed run then also
+counts how many of the 256 requests came out identical. Reported per thread
+count: the median [min-max] over `--runs` runs of each engine, the spread
+(max / min), and mini-vLLM / vLLM output tok/s from the medians.
 
-Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--num-requests 256] [--threads 1]
+Baselines at the first thread count (`--skip-baselines` leaves them out): HF
+static batches of size 1, 8 and 32 (left padded; a batch runs until its longest
+request is done, as static batching does; greedy tokens compared with the
+engine first), and the engine with max_num_seqs=1 (no batching). The run also
+prints how much *work* each static batch size does per unit of useful work
+(padded tokens through the linear layers, query-key pairs in prefill, keys read
+per decoded token): at equal speed per unit of work, these ratios bound what
+continuous batching alone can gain over static batching. Goal against HF: >= 3x.
+
+Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--threads 1,2] [--runs 3]
+     [--num-requests 256] [--hf-batch-sizes 1,8,32] [--skip-baselines] [--no-vllm]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -26,18 +40,63 @@ import torch
 from engine_workloads import sample_requests
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.tiny_models import load_tiny_model, model_path
+from vllm_diff import compare_phase
+from vllm_side import MISSING, VllmSession, pin, request, run_mini, vllm_job, vllm_python
 
 GOAL = 3.0
+# Equal settings for both engines (see the docstring).
+SETTINGS = dict(block_size=32, kv_cache_memory_bytes=1 << 30, max_num_seqs=128, max_num_batched_tokens=2048)
+CHECKED = 64  # requests compared with logprobs (near-tie rule) before timing
 
 
-def engine_run(reqs, **kw) -> tuple[float, list[list[int]]]:
-    llm = LLM(str(model_path("tiny-py-target")), dtype="float32", block_size=16,
-              kv_cache_memory_bytes=256 << 20, **kw)
+def engine_run(reqs, llm=None, **kw) -> tuple[float, list[list[int]]]:
+    llm = llm or LLM(str(model_path("tiny-py-target")), dtype="float32", **dict(SETTINGS, **kw))
     sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     t = time.perf_counter()
     outs = llm.generate(prompts, sps, use_tqdm=False)
     return time.perf_counter() - t, [o.outputs[0].token_ids for o in outs]
+
+
+def phase(name: str, reqs, logprobs: int | None = None) -> dict:
+    return {"name": name, "requests": [request(p, max_tokens=m, temperature=0.0, ignore_eos=True,
+                                               logprobs=logprobs) for p, m in reqs]}
+
+
+def summary(times: list[float], useful: int) -> str:
+    med = statistics.median(times)
+    return (f"{med:6.1f} s [{min(times):.1f}-{max(times):.1f}]  {useful / med:7.1f} tok/s  "
+            f"spread {max(times) / min(times):.2f}x")
+
+
+def side_by_side(reqs, threads: int, runs: int, llm) -> float:
+    """Interleaved timed runs of both engines on `threads` pinned cores; returns the ratio of
+    medians (mini-vLLM / vLLM output tok/s). Exits without timing if the tokens differ."""
+    useful = sum(m for _, m in reqs)
+    model = str(model_path("tiny-py-target"))
+    with VllmSession(vllm_job(model, [], threads=threads, **SETTINGS)) as vs:
+        print(f"  vLLM {vs.info['vllm_version']} up in {vs.info['load_s']:.0f} s (compile included)")
+        check = phase("check", reqs[:CHECKED], logprobs=2)
+        want = vs.run(check)
+        got = run_mini(model, [check], **SETTINGS)["phases"][0]  # a fresh engine: also warms up
+        compared, total, problems = compare_phase(want, got, fields=())
+        if problems:
+            raise SystemExit("tokens differ from vLLM, not timing:\n" + "\n".join(problems[:5]))
+        print(f"  greedy tokens of {CHECKED} requests equal vLLM's ({compared}/{total} positions "
+              "compared, the rest after vLLM near-ties): timing")
+        t_v, t_m, same = [], [], []
+        for r in range(runs):
+            res = vs.run(phase(f"run{r}", reqs))
+            t_v.append(res["wall_s"])
+            t, toks = engine_run(reqs, llm)
+            t_m.append(t)
+            same.append(sum(o["outputs"][0]["token_ids"] == g for o, g in zip(res["results"], toks)))
+    print(f"  vLLM       {summary(t_v, useful)}")
+    print(f"  mini-vLLM  {summary(t_m, useful)}")
+    print(f"  identical requests per run: {same} of {len(reqs)}")
+    ratio = statistics.median(t_v) / statistics.median(t_m)
+    print(f"  mini-vLLM / vLLM output tok/s (medians): {ratio:.2f}x")
+    return ratio
 
 
 @torch.inference_mode()
@@ -84,39 +143,64 @@ def padding_work(reqs, batch_size: int) -> tuple[float, float, float]:
     return lin / useful_lin, pre / useful_pre, dec / useful_dec
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--hf-batch-sizes", default="1,8,32")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    reqs = sample_requests(args.num_requests, (16, 512), (16, 256), seed=0)
+def baselines(reqs, t_eng: float, engine_tokens, hf_batch_sizes: list[int]) -> None:
     useful = sum(m for _, m in reqs)
-    print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens, "
-          f"{args.threads} thread(s)")
-    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-        lin, pre, dec = padding_work(reqs, bs)
-        print(f"static batch {bs:>2} does {lin:.2f}x the useful linear-layer tokens, {pre:.2f}x the prefill "
-              f"query-key pairs, {dec:.2f}x the decode key reads")
     hf = load_tiny_model("tiny-py-target", dtype=torch.float32)
-    t_eng, toks = engine_run(reqs, max_num_seqs=128)
-    check_greedy(hf, reqs, toks)
-    print("greedy tokens of the first requests match HF generate: timing")
+    check_greedy(hf, reqs, engine_tokens)
+    print("greedy tokens of the first requests match HF generate")
     rows = [("mini-vLLM engine (max_num_seqs=128)", t_eng)]
     t_one, _ = engine_run(reqs, max_num_seqs=1)
     rows.append(("mini-vLLM engine (max_num_seqs=1)", t_one))
     best = None
-    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+    for bs in hf_batch_sizes:
         t = hf_run(hf, reqs, bs)
         rows.append((f"HF generate, static batch {bs}", t))
         best = t if best is None else min(best, t)
     for name, t in rows:
         print(f"{name:<40} {t:8.1f} s  {useful / t:8.1f} output tok/s")
-    ratio = best / t_eng
-    print(f"\nengine / best HF static batch: {ratio:.2f}x (goal >= {GOAL}x)  "
-          f"{'MET' if ratio >= GOAL else 'NOT MET'}")
+    if best is not None:
+        ratio = best / t_eng
+        print(f"engine / best HF static batch: {ratio:.2f}x (goal >= {GOAL}x)  "
+              f"{'MET' if ratio >= GOAL else 'NOT MET'}")
     print(f"engine / engine with max_num_seqs=1: {t_one / t_eng:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs per engine and thread count")
+    ap.add_argument("--hf-batch-sizes", default="1,8,32")
+    ap.add_argument("--skip-baselines", action="store_true", help="no HF / max_num_seqs=1 rows")
+    ap.add_argument("--no-vllm", action="store_true")
+    args = ap.parse_args()
+    threads = [int(x) for x in args.threads.split(",")]
+    hf_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
+    reqs = sample_requests(args.num_requests, (16, 512), (16, 256), seed=0)
+    useful = sum(m for _, m in reqs)
+    print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens; "
+          f"both engines: {SETTINGS}")
+    for bs in hf_sizes:
+        lin, pre, dec = padding_work(reqs, bs)
+        print(f"static batch {bs:>2} does {lin:.2f}x the useful linear-layer tokens, {pre:.2f}x the prefill "
+              f"query-key pairs, {dec:.2f}x the decode key reads")
+    use_vllm = not args.no_vllm and vllm_python() is not None
+    if not use_vllm and not args.no_vllm:
+        print(f"(no side-by-side run: {MISSING})")
+    ratios = {}
+    for i, n in enumerate(threads):
+        pin(n)
+        print(f"\n== {n} thread(s), pinned to cores {sorted(__import__('os').sched_getaffinity(0))}")
+        llm = LLM(str(model_path("tiny-py-target")), dtype="float32", **SETTINGS)
+        engine_run(reqs[:16], llm)  # warm-up
+        if use_vllm:
+            ratios[n] = side_by_side(reqs, n, args.runs, llm)
+        if i == 0 and not args.skip_baselines:
+            t_eng, toks = engine_run(reqs, llm)
+            baselines(reqs, t_eng, toks, hf_sizes)
+        llm.shutdown()
+    if ratios:
+        print("\nmini-vLLM / vLLM output tok/s: " + ", ".join(f"{r:.2f}x at {n} thread(s)" for n, r in ratios.items()))
 
 
 if __name__ == "__main__":

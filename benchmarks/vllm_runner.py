@@ -136,7 +136,39 @@ def main(job_path: str, result_path: str) -> None:
         json.dump({"jobs": results} if "jobs" in spec else results[0], f)
 
 
+RESULT_MARK = "@@mini-vllm-result "
+
+
+def session(job_path: str) -> None:
+    """`--session JOB.json`: build the job's LLM once, then run one phase per line of stdin
+    (JSON) and print each phase's result as one line starting with RESULT_MARK (vLLM logs
+    to stdout too). Lets a benchmark interleave vLLM runs with its own without paying
+    vLLM's start-up (compilation) more than once. An empty line ends the session."""
+    with open(job_path) as f:
+        job = json.load(f)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = job.get("cpus", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    import vllm
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
+    print(RESULT_MARK + json.dumps({"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t0}),
+          flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        ph = json.loads(line)
+        runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
+        wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
+        print(RESULT_MARK + json.dumps({"name": ph.get("name", ""), "wall_s": wall, "results": results}),
+              flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
 if __name__ == "__main__":  # vLLM starts worker processes that re-import this module
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: vllm_runner.py JOB.json RESULT.json")
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--session":
+        session(sys.argv[2])
+    elif len(sys.argv) == 3:
+        main(sys.argv[1], sys.argv[2])
+    else:
+        raise SystemExit("usage: vllm_runner.py JOB.json RESULT.json | vllm_runner.py --session JOB.json")

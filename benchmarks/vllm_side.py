@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
+RESULT_MARK = "@@mini-vllm-result "  # vllm_runner.py's marker for result lines on stdout
 MISSING = "real vLLM is not installed: run `make vllm` (creates .venv-vllm, about 2 minutes)"
 
 
@@ -71,18 +72,74 @@ def run_vllm_jobs(jobs: list[dict], *, in_process: bool = False, timeout: float 
     with tempfile.TemporaryDirectory() as tmp:
         job_path, res_path = Path(tmp, "job.json"), Path(tmp, "result.json")
         job_path.write_text(json.dumps({"jobs": jobs}))
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS=str(threads),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
-        env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton must not run interpreted
-        env.pop("PYTHONPATH", None)
+        env = _env(threads, in_process)
         proc = subprocess.run([str(py), str(RUNNER), str(job_path), str(res_path)], env=env,
                               cwd=tmp, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not res_path.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
             raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
         return json.loads(res_path.read_text())["jobs"]
+
+
+def _env(threads: int, in_process: bool) -> dict:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
+    env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton must not run interpreted
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+class VllmSession:
+    """One vLLM instance kept alive in a `.venv-vllm` subprocess; `run(phase)` runs a phase
+    on it and returns its result. Benchmarks use it to interleave vLLM's timed runs with the
+    course engine's, paying vLLM's start-up once.
+
+        with VllmSession(vllm_job(model, [], threads=1, **engine_args)) as vs:
+            res = vs.run({"name": "r1", "requests": [...]})
+    """
+
+    def __init__(self, job: dict, *, in_process: bool = False, log=None) -> None:
+        py = vllm_python()
+        if py is None:
+            raise RuntimeError(MISSING)
+        self._tmp = tempfile.TemporaryDirectory()
+        job_path = Path(self._tmp.name, "job.json")
+        job_path.write_text(json.dumps(job))
+        self._log = log if log is not None else open(os.devnull, "w")
+        self.proc = subprocess.Popen([str(py), str(RUNNER), "--session", str(job_path)],
+                                     env=_env(len(job["cpus"].split(",")), in_process), cwd=self._tmp.name,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.info = self._read()  # {"vllm_version", "load_s"} once the engine is up
+
+    def _read(self) -> dict:
+        tail = []
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARK):
+                return json.loads(line[len(RESULT_MARK):])
+            tail = (tail + [line.rstrip()])[-40:]
+        raise RuntimeError(f"vLLM session exited with {self.proc.wait()}:\n" + "\n".join(tail))
+
+    def run(self, phase: dict) -> dict:
+        self.proc.stdin.write(json.dumps(phase) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "VllmSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_vllm(model, phases: list[dict], *, dtype: str = "float32", threads: int = 1,

@@ -1,5 +1,7 @@
 """Comparing the course's engine with real vLLM, position by position.
 
+Used by `tests/test_vs_vllm.py` and by the side-by-side benchmarks before they time anything.
+
 Both engines compute in fp32 but not in the same order (vLLM's CPU kernels fuse and
 tile differently), so two logits that are almost equal can swap places. When that
 happens the argmax legitimately differs and everything after it is a different
