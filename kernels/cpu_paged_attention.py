@@ -73,6 +73,7 @@ _FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FM
 TILE_ROWS = 64
 _FASTMATH = {"reassoc", "contract"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
+_NEG_INF = np.float32(-np.inf)
 
 
 @njit(cache=True)
@@ -122,7 +123,7 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
         for d in range(head_dim):
             q_tile[r, d] = query[tok, head, d] * scale
             acc[r, d] = 0.0
-        m[r] = -np.inf
+        m[r] = _NEG_INF
         l[r] = 0.0
     kv_end = context_len + t1  # the item's last query sees keys up to context_len + t1 - 1
     for b in range((kv_end + block_size - 1) // block_size):
@@ -141,7 +142,7 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
                 for d in range(head_dim):
                     s += q_tile[r, d] * k_tile[j, d]
                 if j > last:
-                    s = -np.inf
+                    s = _NEG_INF  # an fp32 constant: a float64 -inf would turn s, p and acc math to fp64
                 scores[j] = s
                 m_new = max(m_new, s)
             alpha = np.exp(m[r] - m_new)  # rescales what earlier blocks summed (0 on the first)
