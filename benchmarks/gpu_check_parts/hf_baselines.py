@@ -43,7 +43,7 @@ def static_batches(hf, reqs, batch_size: int, budget_s: float, device: str) -> d
             _sync(device)
             done += len(chunk)
             useful += sum(m for _, m in chunk)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # the name older PyTorch versions also have
         return {"batch_size": batch_size, "status": "out of memory", "requests": done}
     seconds = time.perf_counter() - start
     return {"batch_size": batch_size, "status": "ok", "requests": done, "output_tokens": useful,
