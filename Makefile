@@ -44,7 +44,7 @@ lab: $(STAMP)
 bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
-# On a CUDA machine: the engine checked and measured in one run (about 13 minutes on an H100),
+# On a CUDA machine: the engine checked and measured in one run (sized for about 13 minutes on an H100),
 # with the Python, PyTorch, Triton and transformers already there: nothing is installed, and
 # mini_vllm is imported from this checkout. No $(STAMP): .venv's torch is a CPU build.
 # `make gpu-check GPU_CHECK_ARGS="--device cpu --small"` is the script's CPU smoke run.

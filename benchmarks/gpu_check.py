@@ -21,7 +21,7 @@ Writes `report.json` and `report.md` (plus the pytest log) into --out. Exit
 status 0 when every section ran and every correctness check passed (speed
 goals are reported, not enforced); 1 otherwise; 2 when the environment is unfit.
 
-Run: python benchmarks/gpu_check.py --out gpu-report           (CUDA, about 13 minutes on an H100)
+Run: python benchmarks/gpu_check.py --out gpu-report           (CUDA; sized for about 13 minutes on an H100)
      python benchmarks/gpu_check.py --out /tmp/r --device cpu --small   (seconds: the script's own test)
 """
 from __future__ import annotations
