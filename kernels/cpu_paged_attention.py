@@ -35,8 +35,10 @@ output is fp32 and cast to the query's dtype by torch (round to nearest even).
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
-Compile: about ten seconds per cache width (uint32, uint16) on first use,
-then loaded from numba's on-disk cache (`cache=True`: `__pycache__` beside this
+Compile: once per cache width (uint32 for fp32, uint16 for bf16 and fp16) on
+first use, about 5 s of CPU each (13 s wall on a busy 2-core machine;
+`benchmarks/bench_engine_attention.py` prints it), then loaded from numba's
+on-disk cache in about a second (`cache=True`: `__pycache__` beside this
 file, or NUMBA_CACHE_DIR where that is read-only). Threads: as many as torch
 uses (`torch.set_num_threads`, OMP_NUM_THREADS), so one setting governs both.
 """
