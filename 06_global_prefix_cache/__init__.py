@@ -10,17 +10,19 @@ from mini_vllm.global_cache.base import KVConnectorBase_V1, KVConnectorMetadata,
 from mini_vllm.global_cache.config import KV_ROLES, KVTransferConfig
 from mini_vllm.global_cache.connector import GlobalCacheConnector, GlobalCacheMetadata
 from mini_vllm.global_cache.factory import KVConnectorFactory, build_connectors, layout_for, make_store
-from mini_vllm.global_cache.keys import KVLayout, block_key, model_content_id
+from mini_vllm.global_cache.keys import block_key, block_keys, layout_fingerprint
+from mini_vllm.global_cache.layout import KVLayout, model_content_id
 from mini_vllm.global_cache.local_pool import LocalLRUPool, drop_local_pool, get_local_pool
 from mini_vllm.global_cache.pd_connector import PDConnector
-from mini_vllm.global_cache.serde import CorruptBlockError, pack_block, unpack_block
+from mini_vllm.global_cache.serde import pack_block, unpack_block
 from mini_vllm.global_cache.stats import ConnectorStats
-from mini_vllm.global_cache.store import KVStore, StoreUnavailable
+from mini_vllm.global_cache.store import CorruptBlockError, KVStore, StoreUnavailable
 
 __all__ = [
     "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KV_ROLES", "KVTransferConfig",
     "GlobalCacheConnector", "GlobalCacheMetadata", "KVConnectorFactory", "build_connectors",
-    "layout_for", "make_store", "KVLayout", "block_key", "model_content_id", "LocalLRUPool",
+    "layout_for", "make_store", "KVLayout", "block_key", "block_keys", "layout_fingerprint",
+    "model_content_id", "LocalLRUPool",
     "drop_local_pool", "get_local_pool", "CorruptBlockError", "pack_block", "unpack_block",
     "ConnectorStats", "KVStore", "StoreUnavailable", "PDConnector",
 ]

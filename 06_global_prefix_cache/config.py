@@ -1,11 +1,15 @@
 """`kv_transfer_config`: which connector, which role, and its backend options.
 
 vLLM counterpart: `vllm/config/kv_transfer.py` (`KVTransferConfig`: the fields
-`kv_connector`, `kv_role`, `kv_connector_extra_config`, and the properties
-`is_kv_producer` / `is_kv_consumer`).
+`kv_connector`, `kv_role`, `kv_connector_extra_config`,
+`kv_connector_module_path`, and the properties `is_kv_producer` /
+`is_kv_consumer`).
 
 Invariants (checked at construction, each a ValueError naming the field):
-* `kv_connector` is a registered connector name;
+* `kv_connector` is a registered connector name; with
+  `kv_connector_module_path` (a dotted module path, as in vLLM) the class of
+  that name is taken from that module instead (the Chapter 6 exercise plugs
+  in its connector this way);
 * `kv_role` is one of kv_producer (saves only), kv_consumer (loads only),
   kv_both (saves and loads);
 * every key of `kv_connector_extra_config` is known, and numeric options are
@@ -42,8 +46,12 @@ class KVTransferConfig:
     kv_connector: str = "GlobalCacheConnector"
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
 
     def __post_init__(self) -> None:
+        path = self.kv_connector_module_path
+        if path is not None and not (isinstance(path, str) and all(p.isidentifier() for p in path.split("."))):
+            raise ValueError(f"kv_connector_module_path must be a dotted module path, got {path!r}")
         if self.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_connector must be one of {CONNECTORS}, got {self.kv_connector!r}")
         if self.kv_role not in KV_ROLES:
@@ -86,10 +94,10 @@ class KVTransferConfig:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"kv_transfer_config must be a dict, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
+        known = ["kv_connector", "kv_connector_extra_config", "kv_connector_module_path", "kv_role"]
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; known: "
-                             "['kv_connector', 'kv_connector_extra_config', 'kv_role']")
+            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; known: {known}")
         return cls(**d)
 
     @property

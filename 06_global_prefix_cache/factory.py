@@ -11,10 +11,12 @@ client, as the two processes of a vLLM deployment would share one server.
 """
 from __future__ import annotations
 
+import importlib
+
 from .base import KVConnectorRole
 from .config import KVTransferConfig
 from .connector import GlobalCacheConnector
-from .keys import KVLayout, model_content_id
+from .layout import KVLayout, model_content_id
 from .stats import ConnectorStats
 from .store import KVStore
 
@@ -48,9 +50,25 @@ class KVConnectorFactory:
                          store: KVStore | None = None, stats=None) -> GlobalCacheConnector:
         tc = KVTransferConfig.from_dict(kv_transfer_config)
         cls = GlobalCacheConnector
-        if tc.kv_connector == "PDConnector":
+        if tc.kv_connector_module_path is not None:
+            cls = KVConnectorFactory._class_from_module(tc)
+        elif tc.kv_connector == "PDConnector":
             from .pd_connector import PDConnector as cls
         return cls(tc, role, layout, store if store is not None else make_store(tc), stats)
+
+    @staticmethod
+    def _class_from_module(tc: KVTransferConfig) -> type:
+        """vLLM's `kv_connector_module_path`: the class named `kv_connector` in that module."""
+        try:
+            module = importlib.import_module(tc.kv_connector_module_path)
+        except ImportError as e:
+            raise ValueError(f"kv_connector_module_path {tc.kv_connector_module_path!r} cannot be "
+                             f"imported: {e}") from e
+        cls = getattr(module, tc.kv_connector, None)
+        if not isinstance(cls, type):
+            raise ValueError(f"kv_connector_module_path {tc.kv_connector_module_path!r} has no class "
+                             f"{tc.kv_connector!r}")
+        return cls
 
 
 def build_connectors(config, worker) -> tuple[GlobalCacheConnector, GlobalCacheConnector]:

@@ -25,11 +25,11 @@ token, the last token of its own prompt), and no token of the prompt.
 """
 from __future__ import annotations
 
-from mini_vllm.kvcache import hash_block_tokens
+from mini_vllm.kvcache import hash_block_tokens, hash_request_tokens
 
 from .connector import GlobalCacheConnector, _Tracked
-from .serde import CorruptBlockError
-from .store import StoreUnavailable
+from .keys import block_key, layout_fingerprint
+from .store import CorruptBlockError, StoreUnavailable
 
 
 class PDConnector(GlobalCacheConnector):
@@ -39,10 +39,12 @@ class PDConnector(GlobalCacheConnector):
         k = num_tokens // bs
         if num_tokens % bs == 0:
             return None
-        parent = self._hashes(t, k)[k - 1] if k else None
         salt = getattr(req, "cache_salt", None)
+        parent = hash_request_tokens(bs, req.all_token_ids[:k * bs], cache_salt=salt)[-1] if k else None
         extra = (salt,) if (k == 0 and salt is not None) else None  # as Chapter 2 salts block 0
-        return self.key(hash_block_tokens(parent, req.all_token_ids[k * bs:num_tokens], extra))
+        # The full blocks' key scheme (keys.block_keys), applied to the partial block's chain hash.
+        h = hash_block_tokens(parent, req.all_token_ids[k * bs:num_tokens], extra)
+        return block_key(self.key_prefix, layout_fingerprint(self.layout), h)
 
     def _fetch(self, t: _Tracked, start: int, end: int):
         out = super()._fetch(t, start, end)

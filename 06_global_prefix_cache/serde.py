@@ -19,17 +19,14 @@ import struct
 
 import torch
 
-from .keys import KVLayout
+from .layout import KVLayout
+from .store import CorruptBlockError
 
 MAGIC = b"MVKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sHH32sQ")
 _SUM = 16
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-class CorruptBlockError(ValueError):
-    """A stored value failed a check: corrupted, truncated or foreign."""
 
 
 def _key_digest(key: str) -> bytes:

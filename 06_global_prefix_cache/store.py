@@ -21,6 +21,10 @@ class StoreUnavailable(RuntimeError):
     """The store did not answer within its timeout, or refused the connection."""
 
 
+class CorruptBlockError(ValueError):
+    """A stored value failed a check: corrupted, truncated or foreign (a miss, never a load)."""
+
+
 class KVStore(ABC):
     name = "store"
 

@@ -10,6 +10,7 @@ from mutants.core import Mutant
 KEYS = "06_global_prefix_cache/keys.py"
 SERDE = "06_global_prefix_cache/serde.py"
 CONN = "06_global_prefix_cache/connector.py"
+BASE = "06_global_prefix_cache/connector_base.py"
 UNITS = ["tests/test_ch6_units.py"]
 ENGINE_B = "tests/test_ch6_engine.py::test_engine_b_computes_only_the_uncached_tail"
 
@@ -64,9 +65,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cache_salt_dropped",
-        path=CONN,
-        old='cache_salt=getattr(req, "cache_salt", None)',
-        new="cache_salt=None",
+        path=KEYS,
+        old="hash_request_tokens(layout.block_size, token_ids, cache_salt=cache_salt)",
+        new="hash_request_tokens(layout.block_size, token_ids, cache_salt=None)",
         tests=UNITS,
         why="store keys ignore the cache salt: one tenant's prompt blocks are served to another",
     ),
@@ -80,7 +81,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="loads_paired_from_block_zero",
-        path=CONN,
+        path=BASE,
         old="ids = list(blocks)[t.fetch_start:t.fetch_start + n]",
         new="ids = list(blocks)[:n]",
         tests=UNITS,
@@ -96,7 +97,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="partial_block_saved",
-        path=CONN,
+        path=BASE,
         old="full //= self.block_size",
         new="full = -(-full // self.block_size)",
         tests=UNITS,
@@ -104,7 +105,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="load_writes_key_into_value",
-        path=CONN,
+        path=BASE,
         old="v.index_copy_(0, ids, data[:, layer, 1])",
         new="v.index_copy_(0, ids, data[:, layer, 0])",
         tests=[ENGINE_B],

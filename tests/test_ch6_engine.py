@@ -17,9 +17,21 @@ from mini_vllm.scheduler import Request
 BS = 16
 
 
-def tc(pool, role="kv_both", **extra):
-    return {"kv_connector": "GlobalCacheConnector", "kv_role": role,
-            "kv_connector_extra_config": {"backend": "local", "pool_name": pool, **extra}}
+EXERCISE_CONNECTOR = "mini_vllm.global_cache.exercise"
+
+
+def with_impl(cfg: dict, impl: str) -> dict:
+    """A kv_transfer_config whose connector is the exercise's under --impl=exercise (vLLM's
+    `kv_connector_module_path`), so the engines share their pool through the learner's code."""
+    return {**cfg, "kv_connector_module_path": EXERCISE_CONNECTOR} if impl == "exercise" else cfg
+
+
+@pytest.fixture
+def tc(impl):
+    def build(pool, role="kv_both", **extra):
+        return with_impl({"kv_connector": "GlobalCacheConnector", "kv_role": role,
+                          "kv_connector_extra_config": {"backend": "local", "pool_name": pool, **extra}}, impl)
+    return build
 
 
 @pytest.fixture
@@ -89,7 +101,7 @@ def reference():
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
-def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk):
+def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk, tc):
     kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
     prefix, a_prompts = prompts_with_prefix(1, 1, 200, 30)
     _, b_prompts = prompts_with_prefix(11, 3, 200, 21)  # other tails
@@ -133,7 +145,7 @@ def _req(rid, prompt, salt=None):
                    cache_salt=salt)
 
 
-def test_cache_salt_isolates_tenants(pool_name):
+def test_cache_salt_isolates_tenants(pool_name, tc):
     _, (p,) = prompts_with_prefix(2, 1, 160, 9)
     a = make_llm(kv_transfer_config=tc(pool_name))
     ref = _core_run(a, [_req("a", p, "tenant-1")])
@@ -146,7 +158,7 @@ def test_cache_salt_isolates_tenants(pool_name):
     assert st.hit_blocks == len(p) // BS and got["b3"] == ref["a"], "same salt must hit"
 
 
-def test_other_dtype_never_hits(pool_name):
+def test_other_dtype_never_hits(pool_name, tc):
     _, prompts = prompts_with_prefix(3, 2, 96, 40)
     a = make_llm(kv_transfer_config=tc(pool_name))
     run_greedy(a, prompts, 2)
@@ -174,7 +186,7 @@ def _model_with_one_tensor_changed(dest: pathlib.Path) -> str:
     return str(dest)
 
 
-def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path):
+def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path, tc):
     """Engine A writes the pool, then an engine with other weights (same layout:
     only the model fingerprint differs) reads it with nothing written in
     between: none of A's blocks may load, whatever the serialised header says."""
@@ -198,15 +210,14 @@ def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path):
     assert out == run_greedy(make_llm(other_path), prompts, 2)
 
 
-def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference):
+def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference, tc):
     _, (p,) = prompts_with_prefix(4, 1, 128, 5)
     a = make_llm(kv_transfer_config=tc(pool_name))
     run_greedy(a, [p], 2)
     flush(a)
     pool = get_local_pool(pool_name, 1)
     conn = a.llm_engine.engine_core.kv_connector
-    from mini_vllm.kvcache import hash_request_tokens
-    key = conn.key(hash_request_tokens(BS, p)[3])  # the fourth block
+    key = conn.keys_for(p)[3]  # the fourth block
     data = bytearray(pool.batch_get([key])[0])
     data[len(data) // 2] ^= 0x40
     pool.raw_set(key, bytes(data))
@@ -219,7 +230,7 @@ def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference
         "blocks from the corrupted one onwards must be recomputed"
 
 
-def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference):
+def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference, tc):
     """A pool of 5 blocks and a KV cache small enough to preempt: every token
     still matches, and no local block leaks."""
     _, prompts = prompts_with_prefix(5, 6, 64, 40)
@@ -239,5 +250,9 @@ def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference):
 def test_bad_kv_transfer_config_through_the_engine():
     with pytest.raises(ValueError, match="kv_role"):
         make_llm(kv_transfer_config={"kv_role": "kv_sender"})
+    with pytest.raises(ValueError, match="kv_connector_module_path"):
+        make_llm(kv_transfer_config={"kv_connector_module_path": "no.such.module"})
+    with pytest.raises(ValueError, match="kv_connector_module_path"):
+        make_llm(kv_transfer_config={"kv_connector_module_path": "mini_vllm.global_cache.keys"})
     with pytest.raises(ValueError, match="kv_transfer_config must be a dict"):
         make_llm(kv_transfer_config="GlobalCacheConnector")

@@ -3,6 +3,9 @@ values with checksums, keys and fingerprints, the LRU byte budget, and the
 connector's matching logic (`get_num_new_matched_tokens`) against a pool
 filled by hand. The serde and matching tests also run with --impl=exercise."""
 import dataclasses
+import os
+import subprocess
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -12,7 +15,6 @@ from hypothesis import strategies as st
 
 from mini_vllm.global_cache import (KVConnectorRole, KVLayout, KVTransferConfig, LocalLRUPool,
                                     StoreUnavailable)
-from mini_vllm.kvcache import hash_request_tokens
 
 LAYOUT = KVLayout("m", "float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=3)
 
@@ -90,13 +92,38 @@ def test_truncated_foreign_and_other_layout_values_are_rejected(chapter):
 
 
 # -------------------------------------------------------------------- keys
-def test_fingerprint_changes_with_every_layout_field():
-    base = LAYOUT.fingerprint()
-    for f, v in (("model_id", "m2"), ("dtype", "bfloat16"), ("block_size", 8),
-                 ("num_layers", 3), ("num_kv_heads", 2), ("head_dim", 4), ("tp_rank", 1)):
-        assert dataclasses.replace(LAYOUT, **{f: v}).fingerprint() != base, \
-            f"{f} changes the KV bytes, so it must change the fingerprint"
-    assert KVLayout(*dataclasses.astuple(LAYOUT)).fingerprint() == base
+KEY_TOKENS = list(range(100, 117))  # 17 tokens: 4 full blocks of 4, one partial
+
+
+def test_block_keys_change_with_every_layout_field(chapter):
+    gc = chapter("global_cache")
+    base = gc.block_keys("p", LAYOUT, KEY_TOKENS)
+    assert len(base) == 4 and all(isinstance(k, str) for k in base), \
+        f"one str key per full block (4 here; the partial fifth has none), got {base!r}"
+    assert len(set(base)) == 4, "blocks with other tokens must have other keys"
+    assert gc.block_keys("p", KVLayout(*dataclasses.astuple(LAYOUT)), KEY_TOKENS) == base, \
+        "an equal layout must give equal keys"
+    for f, v in (("model_id", "m2"), ("dtype", "bfloat16"), ("num_layers", 3), ("num_kv_heads", 2),
+                 ("head_dim", 4), ("tp_rank", 1)):
+        other = gc.block_keys("p", dataclasses.replace(LAYOUT, **{f: v}), KEY_TOKENS)
+        assert not set(other) & set(base), f"{f} changes the KV bytes, so it must change every block's key"
+    other = gc.block_keys("p", dataclasses.replace(LAYOUT, block_size=8), KEY_TOKENS)
+    assert len(other) == 2 and not set(other) & set(base), "block_size changes the blocks and their keys"
+    assert not set(gc.block_keys("q", LAYOUT, KEY_TOKENS)) & set(base), "the prefix is a namespace: it must change keys"
+
+
+def test_block_keys_chain_and_salt(chapter):
+    gc = chapter("global_cache")
+    keys = gc.block_keys("p", LAYOUT, KEY_TOKENS)
+    assert gc.block_keys("p", LAYOUT, KEY_TOKENS[:12]) == keys[:3], "a prefix of the tokens keeps its keys"
+    assert gc.block_keys("p", LAYOUT, KEY_TOKENS[:15]) == keys[:3], "a partial block must not get a key"
+    moved = gc.block_keys("p", LAYOUT, [1, 2, 3, 4] + KEY_TOKENS[4:8])
+    assert moved[1] != keys[1], ("block 1 holds the same tokens after another block 0: other KV, so its key "
+                                 "must chain through the blocks before it")
+    salted = gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-a")
+    assert not set(salted) & set(keys), "the cache salt must change every block's key (it salts the chain)"
+    assert gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-a") == salted
+    assert not set(gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-b")) & set(salted)
 
 
 # -------------------------------------------------------------- LRU pool
@@ -139,11 +166,11 @@ def make_conn(gc, role="kv_both", store=None):
 
 
 def fill(conn, tokens, n_blocks, salt=None, corrupt=(), missing=()):
-    hashes = hash_request_tokens(LAYOUT.block_size, tokens, cache_salt=salt)
+    keys = conn.keys_for(tokens, salt)
     for i in range(n_blocks):
         if i in missing:
             continue
-        key = conn.key(hashes[i])
+        key = keys[i]
         data = bytearray(conn.pack_block(key, block_for(i)))
         if i in corrupt:
             data[-1] ^= 0xFF
@@ -262,3 +289,16 @@ def test_loads_pair_fetched_blocks_with_allocated_ids(chapter):
     for (b, x), i in zip(meta.loads, range(1, 5)):
         assert torch.equal(x, block_for(i)), f"block {b} got another block's KV"
     assert meta.saves == [], "loaded or locally cached blocks are not saved again"
+
+
+def test_block_keys_are_the_same_in_every_process(chapter, impl):
+    """Last in the file: it starts a Python process (a few seconds)."""
+    gc = chapter("global_cache")
+    mod = "mini_vllm.global_cache" + (".exercise" if impl == "exercise" else "")
+    code = (f"import {mod} as gc; from mini_vllm.global_cache import KVLayout; "
+            f"print(gc.block_keys('p', KVLayout(*{dataclasses.astuple(LAYOUT)!r}), {KEY_TOKENS!r}, 's'))")
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # another str hash than this process's
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(gc.block_keys("p", LAYOUT, KEY_TOKENS, "s")), \
+        "keys differ between processes: Python's hash() is salted per process (PYTHONHASHSEED)"

@@ -14,9 +14,8 @@ import redis
 
 from engine_utils import make_llm, run_greedy
 from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
-from mini_vllm.kvcache import hash_request_tokens
 from test_ch6_engine import (BS, assert_same_as_reference, computed_per_request, flush,
-                             greedy_logprobs, prompts_with_prefix, record_scheduled)
+                             greedy_logprobs, prompts_with_prefix, record_scheduled, with_impl)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +53,12 @@ print(json.dumps({{"out": out, "saved": llm.llm_engine.engine_core.kv_connector.
 """
 
 
-def test_two_engine_processes_share_one_server(fresh, reference):
+def test_two_engine_processes_share_one_server(fresh, reference, impl):
+    """With --impl=exercise both engines use the exercise's connector."""
     prefix, a_prompts = prompts_with_prefix(21, 2, 320, 25)
     _, tails = prompts_with_prefix(22, 3, 0, 19)
     b_prompts = [prefix + t for t in tails]
-    code = CHILD.format(tests=os.path.dirname(__file__), tc=tc(fresh.url), prompts=a_prompts)
+    code = CHILD.format(tests=os.path.dirname(__file__), tc=with_impl(tc(fresh.url), impl), prompts=a_prompts)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120)
@@ -66,7 +66,7 @@ def test_two_engine_processes_share_one_server(fresh, reference):
     child = json.loads(res.stdout.strip().splitlines()[-1])
     assert child["out"] == run_greedy(reference, a_prompts, 3), "engine A's tokens changed"
     assert child["saved"] > 0
-    b = make_llm(kv_transfer_config=tc(fresh.url))
+    b = make_llm(kv_transfer_config=with_impl(tc(fresh.url), impl))
     log = record_scheduled(b)
     assert_same_as_reference(greedy_logprobs(b, b_prompts, 4),
                              greedy_logprobs(reference, b_prompts, 4), "engine B")
@@ -84,7 +84,7 @@ def test_flipped_bytes_in_the_server_are_a_miss(fresh, reference):
     a = make_llm(kv_transfer_config=tc(fresh.url))
     run_greedy(a, [p], 2)
     flush(a)
-    key = a.llm_engine.engine_core.kv_connector.key(hash_request_tokens(BS, p)[1])
+    key = a.llm_engine.engine_core.kv_connector.keys_for(p)[1]
     r = redis.Redis.from_url(fresh.url)
     byte = r.getrange(key, 5000, 5000)
     r.setrange(key, 5000, bytes([byte[0] ^ 0x01]))  # one bit, in the server itself
