@@ -6,8 +6,9 @@
 # ---- sampler filters ----
 from mini_vllm.ops_topk_topp import apply_min_p, apply_top_k_top_p
 
-# ---- runner inputs ----
+# ---- the runner: its inputs, then the runner itself ----
+from mini_vllm.model_runner import ModelRunner
 from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 
-__all__ = ["apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
+__all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
            "compute_slot_mapping"]

@@ -1,83 +1,217 @@
-"""Chapter 5 exercise.
+"""Chapter 5 exercise: the model runner's headline, then the sampler's filters.
 
 Fill in the stubs, then run the chapter's tests against them with
     .venv/bin/pytest -q tests/test_ch5_*.py --impl=exercise
-Reference answers live in the modules named in each hint; read them after.
+The run checks your index functions and your runner's state and inputs
+against the scheduler (tests/test_ch5_prepare_inputs.py, test_ch5_runner.py),
+then plugs your `ModelRunner` into real engines (`plug_runner`): greedy tokens
+must equal Hugging Face's, and must not change with batching, chunked
+prefill, prefix hits or preemption. Stuck? `05_mini_vllm/HINTS.md` has hints
+in three levels, from the idea to a near-solution.
+
+Part 1, the runner (vLLM: `vllm/v1/worker/gpu_model_runner.py`):
+- `compute_query_start_loc`, `compute_positions`, `compute_slot_mapping`: the
+  flat-batch index arithmetic, vectorised;
+- `ModelRunner._update_states`: the persistent batch, from SchedulerOutputs alone;
+- `ModelRunner._prepare_inputs`: one step's flat inputs and the rows that sample;
+- `ModelRunner.execute_model`: the step, from SchedulerOutput to ModelRunnerOutput.
+Part 2, the sampler's filters (vLLM: `vllm/v1/sample/ops/topk_topp_sampler.py`):
+`apply_top_k_top_p`, `apply_min_p`.
+
+Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
+rows, condensing on removal), the KV tensors and their swap/copy
+(`self.cache_engine`), the model, the sampler call (`_sample`) and
+`plug_runner`. Your runner covers plain decoding; speculative decoding, KV
+connectors, tensor parallelism, prompt logprobs and structured outputs stay
+with the reference runner (`plug_runner` and `_sample` refuse them).
+Nothing here imports the modules that hold the answers (`model_runner.py`,
+`prepare_inputs.py`, `ops_topk_topp.py`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-# ---- sampler filters ----
-# Counterpart of mini_vllm/ops_topk_topp.py (vLLM: vllm/v1/sample/ops/topk_topp_sampler.py).
-# Both functions take logits [B, V] float32 and per-row parameters [B], and return
-# logits [B, V] where every dropped token is -inf and every kept token keeps its value.
+from mini_vllm.forward_context import AttentionMetadata, set_forward_context  # noqa: F401
+from mini_vllm.input_batch import CachedRequestState, InputBatch  # noqa: F401
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.scheduler import ModelRunnerOutput
 
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask each row's logits outside its top-k and top-p sets with -inf."""
-    raise NotImplementedError(
-        "apply_top_k_top_p: for each row b, first top-k, then top-p on what top-k kept. "
-        "top-k: keep every token whose logit is >= the k-th largest logit of the row (ties with the k-th "
-        "are ALL kept); top_k[b] == 0, == -1 or >= vocab keeps the whole row; top_k=None means no row uses it. "
-        "top-p: renormalise the top-k survivors with softmax; keep a token iff the total probability of the "
-        "tokens STRICTLY more likely than it is < top_p[b] (so equally likely tokens are kept or dropped "
-        "together, and the most likely token always stays); top_p[b] == 1.0 keeps the whole row "
-        "(do not let rounding in a cumulative sum drop the tail); top_p=None means no row uses it. "
-        "Return a new tensor (the tests compare it with -inf masks built by hand) and raise ValueError "
-        "if logits is not 2-D or top_k/top_p do not have shape [B]. Hint: sort one row's values in "
-        "descending order, find the last kept position, and keep every logit >= the value there."
-    )
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the row's top probability."""
-    raise NotImplementedError(
-        "apply_min_p: with p = softmax(logits[b]), keep token v iff p[v] >= min_p[b] * max(p) and set the "
-        "others to -inf; min_p[b] == 0 keeps the whole row, min_p[b] == 1 keeps only the top token(s) (ties "
-        "with the maximum all stay). Return a new tensor; raise ValueError if logits is not 2-D or min_p "
-        "does not have shape [B]. Hint: p[v] / max(p) = exp(logits[v] - max(logits)), so no softmax is needed."
-    )
-
-
-# ---- runner inputs ----
-# Counterpart of mini_vllm/prepare_inputs.py (vLLM: GPUModelRunner._prepare_inputs in
-# vllm/v1/worker/gpu_model_runner.py). All three are vectorised numpy over the batch:
-# the tests give batches of up to thousands of tokens and check every element.
+# ================================================================ Part 1: the runner
+# ---- the flat batch's index arithmetic (vectorised numpy, no loop per token) ----
 
 
 def compute_query_start_loc(num_scheduled_tokens: np.ndarray) -> np.ndarray:
     """[num_reqs + 1] int32: where each request's query rows start in the flat batch."""
     raise NotImplementedError(
-        "compute_query_start_loc: given Δ = num_scheduled_tokens [num_reqs] (ints >= 1), return an int32 "
-        "array [num_reqs + 1] equal to [0, Δ0, Δ0+Δ1, ...]: request i owns rows out[i]:out[i+1]. "
-        "An empty batch gives [0]. Hint: np.cumsum into out[1:]."
-    )
+        "compute_query_start_loc(num_scheduled_tokens Δ [num_reqs], ints >= 1) -> int32 [num_reqs + 1]: "
+        "request i owns rows out[i]:out[i+1] of the flat batch, requests one after another from row 0; "
+        "out[-1] is the number of scheduled tokens. An empty batch gives [0].")
 
 
 def compute_positions(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray) -> np.ndarray:
     """[T] int64: the absolute token position of every scheduled token."""
     raise NotImplementedError(
-        "compute_positions: request i has c_i = num_computed_tokens[i] tokens in the KV cache already and "
-        "Δ_i = num_scheduled_tokens[i] scheduled now; its rows hold positions c_i, c_i+1, ..., c_i+Δ_i-1, "
-        "requests one after another (T = sum Δ). A decode is Δ=1 at position c_i; a prefix hit or a later "
-        "chunk starts at c_i > 0, never at 0. Return int64. No Python loop over tokens: np.repeat the "
-        "request index Δ_i times, then subtract each request's first row from np.arange(T)."
-    )
+        "compute_positions(num_computed_tokens c [num_reqs], num_scheduled_tokens Δ [num_reqs]) -> int64 [T], "
+        "T = sum Δ: request i's rows hold its positions c_i .. c_i + Δ_i - 1, requests one after another. "
+        "Vectorised (the tests use thousands of tokens).")
 
 
 def compute_slot_mapping(block_table: np.ndarray, req_indices: np.ndarray, positions: np.ndarray,
                          block_size: int) -> np.ndarray:
     """[T] int64: the KV cache slot of every scheduled token."""
     raise NotImplementedError(
-        "compute_slot_mapping: token t belongs to request req_indices[t] (a row of block_table "
-        "[num_reqs, max_blocks], int32, padded with -1) and sits at positions[t]; its slot is "
-        "block_table[r, p // block_size] * block_size + p % block_size (Chapter 1's slot mapping, "
-        "for a whole batch at once). Return int64 (slots overflow int32 on big caches). One fancy-index, "
-        "no loop."
-    )
+        "compute_slot_mapping(block_table [num_reqs, max_blocks] int32 -1 padded, req_indices [T], "
+        "positions [T], block_size) -> int64 [T]: the flat cache slot where token t's KV goes, under the "
+        "block table of request req_indices[t] (Chapter 1's slot mapping, for a whole batch at once). "
+        "int64: slots overflow int32 on big caches.")
 
 
-__all__ = ["apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
-           "compute_slot_mapping"]
+# ---- the runner ----
+
+class ModelRunner:
+    """The engine's model runner (same constructor and `execute_model` as the reference)."""
+
+    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
+                 max_model_len: int, device) -> None:
+        """Given."""
+        self.model, self.model_config = model, model_config
+        self.cache_engine = cache_engine
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.vocab_size = model_config.vocab_size
+        # Every request the runner knows (running or preempted), by id.
+        self.requests: dict[str, CachedRequestState] = {}
+        # The persistent batch: one row per request that has a row (see input_batch.py).
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.sampler = Sampler()
+        for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
+            layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
+        self.kv_connector = self.drafter = None  # not part of the exercise (see plug_runner)
+
+    @staticmethod
+    def _make_generator(params):
+        """Given: a seeded request's own generator (None without a seed)."""
+        seed = getattr(params, "seed", None)
+        return None if seed is None else torch.Generator().manual_seed(int(seed))
+
+    def _update_states(self, so) -> None:
+        """TODO: bring self.requests and self.input_batch up to date with SchedulerOutput `so`."""
+        raise NotImplementedError(
+            "_update_states(so) -> None. The runner learns everything from SchedulerOutputs (it never reads "
+            "the scheduler's Request objects). Contract, after the call: self.requests holds a "
+            "CachedRequestState for every request the scheduler has not finished (finished_req_ids are "
+            "forgotten; preempted_req_ids keep their state but lose their batch row); every request "
+            "scheduled in this step has a row in self.input_batch (InputBatch.add_request and friends) whose "
+            "token ids, num_tokens, num_computed_tokens and block table equal the scheduler's view: "
+            "scheduled_new_reqs bring all of it (also a request coming back after a recompute "
+            "preemption), scheduled_cached_reqs bring only what changed (new_token_ids, new_block_ids to "
+            "append, or the whole table when resumed_from_preemption or replace_block_ids). A seeded "
+            "request keeps one generator for its whole life (self._make_generator once): a preemption "
+            "must not restart its draws.")
+
+    def _prepare_inputs(self, so):
+        """TODO: (input_ids, positions, md, req_ids, logit_rows, sample_req) for this step."""
+        raise NotImplementedError(
+            "_prepare_inputs(so) -> (input_ids, positions, md, req_ids, logit_rows, sample_req). req_ids = "
+            "list(so.num_scheduled_tokens), the batch order; request i has Δ_i scheduled tokens and c_i "
+            "computed before this step (self.input_batch, after _update_states). input_ids, positions: long "
+            "tensors [T] on self.device, T = sum Δ: the tokens at positions c_i .. c_i + Δ_i - 1 of each "
+            "request in turn. md: an AttentionMetadata (forward_context.py) whose slot_mapping (int64 [T]), "
+            "block_tables (int32, row i = request i's table, at least the blocks that hold its c_i + Δ_i "
+            "keys), cu_seqlens_q (int32 query start locations), seq_lens (int32, c_i + Δ_i), max_query_len, "
+            "max_seq_len and the host lists query_lens_cpu / seq_lens_cpu describe the batch; it must pass "
+            "md.validate(num_blocks, block_size). sample_req: the indices i (ascending) of the requests "
+            "whose known tokens are all computed after this step (a prompt that completes, or a decode); a "
+            "request in the middle of its prompt does not sample. logit_rows: for each of them, the flat "
+            "row of its last scheduled token (its logits predict the next token).")
+
+    @torch.inference_mode()
+    def execute_model(self, so) -> ModelRunnerOutput:
+        """TODO: one engine step: SchedulerOutput in, ModelRunnerOutput out."""
+        raise NotImplementedError(
+            "execute_model(so) -> ModelRunnerOutput. Contract: the persistent batch is updated first; the "
+            "KV blocks move as the scheduler planned before any layer reads them, in the order "
+            "so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy (self.cache_engine.swap_out / "
+            "swap_in / copy); a step with no scheduled token returns ModelRunnerOutput([], {}, []). "
+            "Otherwise the model runs once over the flat batch (with set_forward_context(md): "
+            "self.model(input_ids, positions) -> hidden [T, H], which also writes this step's KV), logits "
+            "are computed only at logit_rows (self.model.compute_logits), and self._sample turns them into "
+            "tokens. The output (ModelRunnerOutput.from_dict) maps every scheduled request "
+            "to [its token] if it sampled, else []; its .logprobs is the dict _sample filled, or None if "
+            "empty. Drafts (so.scheduled_spec_decode_tokens) are not part of the exercise.")
+
+    def _sample(self, logits: torch.Tensor, rids: list[str], sampled: dict, logprobs: dict) -> None:
+        """Given: sample one token per row of `logits` [len(rids), V] for requests `rids`;
+        sampled[rid] = [token], and logprobs[rid] for requests that asked for logprobs."""
+        states = [self.requests[r] for r in rids]
+        for st in states:
+            p = st.sampling_params
+            for field in ("prompt_logprobs", "structured_outputs"):
+                if getattr(p, field, None) is not None:
+                    raise NotImplementedError(f"request {st.req_id}: {field} is not part of the exercise's "
+                                              "runner; use the reference runner")
+        md = SamplingMetadata.from_params(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], [s.generator for s in states],
+            [s.eos_token_id for s in states], self.vocab_size, logits.device)
+        out = self.sampler(logits, md)
+        toks = out.sampled_token_ids.tolist()
+        lp = out.logprobs_tensors
+        if lp is not None:
+            ids_l, lps_l, ranks_l = (lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+                                     lp.selected_token_ranks.tolist())
+        for j, (rid, st) in enumerate(zip(rids, states)):
+            sampled[rid] = [int(toks[j])]
+            n_lp = getattr(st.sampling_params, "logprobs", None)
+            if lp is not None and n_lp is not None:
+                logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+
+
+def plug_runner(llm) -> None:
+    """Given: replace the model runner of an `LLM` (or an `LLMEngine`) by this
+    module's `ModelRunner` (same model, same KV cache), before it runs any request."""
+    core = getattr(llm, "llm_engine", llm).engine_core
+    cfg = core.config
+    for field, off in (("speculative_config", cfg.speculative is None), ("kv_transfer_config", core.kv_connector is None),
+                       ("tensor_parallel_size", getattr(cfg, "tensor_parallel_size", 1) == 1)):
+        if not off:
+            raise ValueError(f"plug_runner: {field} is not part of the exercise's runner")
+    if core.has_unfinished_requests():
+        raise ValueError("plug_runner: the engine already runs requests; plug the runner in first")
+    worker = core.executor.worker
+    worker.model_runner = ModelRunner(worker.model, worker.model_config, worker.cache_engine, cfg.block_size,
+                                      cfg.max_num_seqs, worker.max_model_len, worker.device)
+
+
+# ================================================================ Part 2: the sampler's filters
+# Both take logits [B, V] float32 and per-row parameters [B], and return logits [B, V]
+# where every dropped token is -inf and every kept token keeps its value.
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask each row's logits outside its top-k and top-p sets with -inf."""
+    raise NotImplementedError(
+        "apply_top_k_top_p(logits [B, V], top_k [B] ints or None, top_p [B] floats or None) -> a new "
+        "tensor [B, V]. Row b keeps its top-k set, then, among those renormalised, its top-p set; the "
+        "rest is -inf, kept logits keep their values. top-k: the tokens whose logit is >= the k-th "
+        "largest (ties with the k-th all stay); k == 0, -1 or >= V keeps the row. top-p: the smallest "
+        "set of most likely tokens whose probability reaches top_p, where a token is kept iff the "
+        "tokens strictly more likely than it total < top_p (equally likely tokens go together, the "
+        "most likely always stays); top_p == 1.0 keeps every token, even with rounding. None: no row "
+        "uses that filter. Raise ValueError if logits is not 2-D or top_k / top_p is not [B].")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    raise NotImplementedError(
+        "apply_min_p(logits [B, V], min_p [B]) -> a new tensor [B, V]: token v of row b stays iff "
+        "softmax(logits[b])[v] >= min_p[b] * max softmax(logits[b]), else -inf; min_p 0 keeps the row, "
+        "min_p 1 keeps the top token(s) (ties all stay). Raise ValueError if logits is not 2-D or min_p "
+        "is not [B].")
+
+
+__all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
+           "compute_slot_mapping", "plug_runner"]

@@ -28,6 +28,15 @@ def make_llm(path: str | None = None, **kw) -> LLM:
     return LLM(path or target_path(), **kw)
 
 
+def make_llm_for(impl: str, path: str | None = None, **kw) -> LLM:
+    """`make_llm`, with the Chapter 5 exercise's ModelRunner plugged in under --impl=exercise."""
+    llm = make_llm(path, **kw)
+    if impl == "exercise":
+        from mini_vllm.exercise import plug_runner
+        plug_runner(llm)
+    return llm
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 

@@ -7,6 +7,8 @@ token budget forces chunks), prefix caching (prompts share prefixes and some
 repeat, so later requests hit blocks that earlier ones, even in the same step,
 wrote), preemption forced by a tiny KV cache under recompute and under swap,
 and block sizes 8/16/32. After every run the KV pool must be full again.
+Under --impl=exercise the engine under test runs the Chapter 5 exercise's
+ModelRunner (`plug_runner`); the oracle stays the reference engine.
 """
 import functools
 
@@ -14,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_utils import assert_pool_full, make_llm, run_greedy
+from engine_utils import assert_pool_full, make_llm, make_llm_for, run_greedy
 from mini_vllm import SamplingParams
 
 VOCAB = 6144
@@ -55,7 +57,7 @@ ENGINE_VARIANTS = st.fixed_dictionaries({
 })
 
 
-def _engine(v, prompts, max_tokens):
+def _engine(v, prompts, max_tokens, impl):
     kw = dict(block_size=v["block_size"], enable_prefix_caching=v["enable_prefix_caching"],
               max_model_len=128, preemption_mode=v["preemption_mode"])
     if v["chunk"]:
@@ -66,13 +68,13 @@ def _engine(v, prompts, max_tokens):
         kw["num_gpu_blocks_override"] = need + 1
         if v["preemption_mode"] == "swap":
             kw["num_cpu_blocks"] = 64
-    return make_llm(**kw)
+    return make_llm_for(impl, **kw)
 
 
 @given(workloads(), ENGINE_VARIANTS)
-def test_greedy_tokens_invariant_to_scheduling(work, variant):
+def test_greedy_tokens_invariant_to_scheduling(work, variant, impl):
     prompts, max_tokens = work
-    llm = _engine(variant, prompts, max_tokens)
+    llm = _engine(variant, prompts, max_tokens, impl)
     got = run_greedy(llm, prompts, max_tokens)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         want = list(_alone(tuple(p), m))
@@ -82,11 +84,11 @@ def test_greedy_tokens_invariant_to_scheduling(work, variant):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_really_happens_and_changes_nothing(mode):
+def test_preemption_really_happens_and_changes_nothing(mode, impl):
     """Guard against a vacuous invariance test: the tiny cache must preempt."""
     prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
-    llm = make_llm(block_size=8, max_model_len=128, num_gpu_blocks_override=9,
-                   preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    llm = make_llm_for(impl, block_size=8, max_model_len=128, num_gpu_blocks_override=9,
+                       preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     got = run_greedy(llm, prompts, 30)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
     for p, g in zip(prompts, got):
@@ -95,7 +97,7 @@ def test_preemption_really_happens_and_changes_nothing(mode):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_seeded_sampling_invariant_under_preemption(mode):
+def test_seeded_sampling_invariant_under_preemption(mode, impl):
     """A seeded request's generator lives as long as the request: a preempted
     request, recomputed or swapped back in, continues its draws where it
     stopped, so its tokens equal those of the same requests in a cache that
@@ -103,13 +105,13 @@ def test_seeded_sampling_invariant_under_preemption(mode):
     prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
     params = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
 
-    def run(**kw):
-        llm = make_llm(block_size=8, max_model_len=128, **kw)
+    def run(impl="reference", **kw):
+        llm = make_llm_for(impl, block_size=8, max_model_len=128, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outs]
 
     _, want = run()
-    llm, got = run(num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    llm, got = run(impl, num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (f"seeded request {i} changed under {mode} preemption: its generator was reset or "
@@ -118,12 +120,12 @@ def test_seeded_sampling_invariant_under_preemption(mode):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_same_step_prefix_hit_reads_kv_written_in_that_step(backend):
+def test_same_step_prefix_hit_reads_kv_written_in_that_step(backend, impl):
     """Two identical 40-token prompts admitted in one step: the second hits the
     first's blocks, which this very forward pass writes. Both CPU backends: the
     oracle (`_alone`) runs the default, "cpu"."""
     p = list(range(300, 340))
-    llm = make_llm(block_size=8, max_model_len=128, attention_backend=backend)
+    llm = make_llm_for(impl, block_size=8, max_model_len=128, attention_backend=backend)
     got = run_greedy(llm, [p, p, p[:33]], [6, 6, 6])
     stats = llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0, "the repeated prompt did not hit the prefix cache"

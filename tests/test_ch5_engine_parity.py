@@ -3,12 +3,13 @@
 The engine's own models run over the paged cache with continuous batching;
 `transformers` runs each prompt alone with a contiguous cache. Same tokens
 means the whole stack (scheduler, runner inputs, slot mapping, attention
-backend, model, sampler) agrees with the oracle.
+backend, model, sampler) agrees with the oracle. Under --impl=exercise the
+engines run the Chapter 5 exercise's ModelRunner (`plug_runner`).
 """
 import pytest
 import torch
 
-from engine_utils import assert_pool_full, hf_greedy, make_llm, run_greedy, target_path
+from engine_utils import assert_pool_full, hf_greedy, make_llm, make_llm_for, run_greedy, target_path
 from mini_vllm import SamplingParams
 from mini_vllm.tiny_models import load_tiny_model, load_tiny_tokenizer
 
@@ -38,11 +39,11 @@ def tok():
 # "cpu" (the compiled kernel, the CPU default that every other engine test runs)
 # and "torch" (the readable path); "triton" has its own engine tests.
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_greedy_batch_matches_hf_generate(hf, tok, backend):
+def test_greedy_batch_matches_hf_generate(hf, tok, backend, impl):
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 8, "prompts must have different lengths"
     lens = [20, 12, 30, 8, 25, 16, 20, 10, 14]
-    llm = make_llm(block_size=16, attention_backend=backend)
+    llm = make_llm_for(impl, block_size=16, attention_backend=backend)
     assert llm.llm_engine.engine_core.executor.worker.attention_backend == backend, "backend not the one asked for"
     got = run_greedy(llm, prompts, lens)
     for i, (p, n) in enumerate(zip(prompts, lens)):
@@ -52,10 +53,10 @@ def test_greedy_batch_matches_hf_generate(hf, tok, backend):
     assert_pool_full(llm)
 
 
-def test_logprobs_match_hf_log_softmax(hf, tok):
+def test_logprobs_match_hf_log_softmax(hf, tok, impl):
     """Greedy logprobs (temperature 0 = raw distribution) equal HF's log-softmax."""
     prompt = tok(PROMPTS[2])["input_ids"]
-    llm = make_llm(block_size=8)
+    llm = make_llm_for(impl, block_size=8)
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
@@ -87,7 +88,7 @@ def test_text_prompt_and_detokenized_text_match_tokenizer(tok):
 
 @pytest.mark.parametrize("name", ["llama-mha-untied", "llama3-rope-gqa2-tied", "qwen2-gqa4-tied",
                                   "qwen3-gqa2-untied-bias", "tiny-py-draft"])
-def test_greedy_matches_hf_on_every_architecture(name, tmp_path_factory):
+def test_greedy_matches_hf_on_every_architecture(name, tmp_path_factory, impl):
     """Random Llama / Qwen2 / Qwen3 checkpoints (GQA 1/2/4, tied and untied,
     llama3 rope scaling) and the tiny draft: 8 prompts of different lengths together."""
     from transformers import AutoModelForCausalLM
@@ -107,7 +108,7 @@ def test_greedy_matches_hf_on_every_architecture(name, tmp_path_factory):
     g = torch.Generator().manual_seed(3)
     lens = [1, 3, 7, 12, 17, 24, 33, 41]
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lens]
-    llm = make_llm(str(path), block_size=8, max_model_len=128)
+    llm = make_llm_for(impl, str(path), block_size=8, max_model_len=128)
     got = run_greedy(llm, prompts, 10)
     for p, out in zip(prompts, got):
         assert out == hf_greedy(hf, p, 10), f"{name}: greedy tokens differ from HF for a {len(p)}-token prompt"
