@@ -1,0 +1,134 @@
+"""Structured outputs (xgrammar): every constrained output satisfies its
+constraint, and unconstrained requests in the same batch are unchanged.
+
+Oracles: `json` + `jsonschema` for JSON, Python's `re.fullmatch` for regexes
+and for a regex equivalent to the EBNF grammar, membership for choices, the
+engine's own output without the constrained neighbours for the unconstrained
+rows, and xgrammar's own `apply_token_bitmask_inplace` for the sampler's
+bitmask.
+"""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine_utils import assert_pool_full, make_llm
+from mini_vllm import SamplingParams
+from mini_vllm.sampler import apply_token_bitmask
+from mini_vllm.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b"]}}}}
+REGEX = r"[a-z]{2,6}_[0-9]{1,3}"
+CHOICES = ["yes", "no", "maybe so"]
+GRAMMAR = 'root ::= "def " name "(" name "):"\nname ::= [a-z]+'
+GRAMMAR_RE = r"def [a-z]+\([a-z]+\):"
+PROMPTS = ["kwargs = ", "x = json.loads(s)\ny = "]  # prompts after which the tiny model closes its JSON
+CONSTRAINTS = {
+    "json": (SO(json=SCHEMA, disable_any_whitespace=True), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    "json_object": (SO(json_object=True, disable_any_whitespace=True),
+                    lambda t: isinstance(json.loads(t), dict) or pytest.fail(f"not an object: {t!r}")),
+    "regex": (SO(regex=REGEX), lambda t: re.fullmatch(REGEX, t) or pytest.fail(f"{t!r} !~ {REGEX}")),
+    "choice": (SO(choice=CHOICES), lambda t: t in CHOICES or pytest.fail(f"{t!r} not in {CHOICES}")),
+    "grammar": (SO(grammar=GRAMMAR), lambda t: re.fullmatch(GRAMMAR_RE, t) or pytest.fail(f"{t!r} !~ grammar")),
+}
+
+
+def _sp(temperature, **kw):
+    return SamplingParams(max_tokens=48, temperature=temperature, seed=None if temperature == 0 else 7, **kw)
+
+
+def test_constrained_outputs_valid_and_neighbours_unchanged():
+    llm = make_llm(block_size=8)
+    plain = [({"prompt_token_ids": [5, 6, 7, 8]}, _sp(0, ignore_eos=True)),
+             ({"prompt_token_ids": [9, 10, 11]}, _sp(1.0, ignore_eos=True))]
+    alone = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in plain], [s for _, s in plain],
+                                                          use_tqdm=False)]
+    reqs = list(plain)
+    for so, _ in CONSTRAINTS.values():
+        for temp in (0.0, 1.0):
+            reqs += [(p, _sp(temp, structured_outputs=so)) for p in PROMPTS]
+    outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone, \
+        "unconstrained requests changed when batched with constrained ones (the bitmask leaked to other rows)"
+    i = 2
+    for name, (_, check) in CONSTRAINTS.items():
+        for temp in (0.0, 1.0):
+            for _ in PROMPTS:
+                c = outs[i].outputs[0]
+                i += 1
+                assert c.finish_reason == "stop", f"{name} t={temp}: did not finish ({c.text!r})"
+                check(c.text)
+    assert_pool_full(llm)
+
+
+def test_unconstrained_text_would_fail_the_checks():
+    """The constraints must bite: the tiny model's free text breaks each one."""
+    llm = make_llm(block_size=8)
+    outs = llm.generate(PROMPTS, _sp(0), use_tqdm=False)
+    for name, (_, check) in CONSTRAINTS.items():
+        for o in outs:
+            with pytest.raises(BaseException):
+                check(o.outputs[0].text)
+
+
+def test_speculative_decoding_serves_constrained_requests_without_drafts():
+    """Constrained requests get no drafts (spec_verify.spec_eligible): the grammar
+    applies to every token, and greedy output equals the run without speculation."""
+    so = SO(json=SCHEMA, disable_any_whitespace=True)
+    sp = SamplingParams(max_tokens=48, temperature=0, structured_outputs=so)
+    want = make_llm(block_size=8).generate(PROMPTS, sp, use_tqdm=False)
+    spec = make_llm(block_size=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = spec.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    for o in got:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    assert spec.llm_engine.engine_core.spec_decoding_stats()["num_drafts"] == 0, \
+        "a constrained request was given drafts that the grammar never checked"
+
+
+@pytest.mark.parametrize("vocab", [64, 6144, 70])
+def test_bitmask_matches_xgrammar_kernel(vocab):
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = -1  # a row with every bit set (bit 31 is the sign) stays untouched
+    bitmask[1, 0] = -2**31  # only token 31 of the first word
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask)
+    got = apply_token_bitmask(logits, bitmask)
+    assert torch.equal(got, want), "bit j of word w must allow token 32 w + j, as xgrammar lays it out"
+    assert torch.equal(got[0], logits[0])
+
+
+def test_bad_constraints_raise_naming_the_field():
+    llm = make_llm()
+    for so, field in [(SO(regex="(a"), "structured_outputs.regex"),
+                      (SO(json={"type": "no-such-type"}), "structured_outputs.json"),
+                      (SO(grammar="root ::= undefined_rule"), "structured_outputs.grammar")]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)
+    for kw in [dict(regex="a", choice=["b"]), dict()]:
+        with pytest.raises(ValueError, match="exactly one of"):
+            SO(**kw)
+    with pytest.raises(ValueError, match="unsupported field"):
+        SamplingParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+    assert_pool_full(llm)
+
+
+def test_ignore_eos_after_the_grammar_ends_emits_only_stop_tokens():
+    """Past its end a grammar allows only the stop tokens, so ignore_eos pads
+    with EOS instead of writing past the constraint."""
+    llm = make_llm()
+    eos = llm.llm_engine.eos_token_id
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
+                                                  structured_outputs=SO(choice=CHOICES)), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.text in CHOICES and c.finish_reason == "length", c.text
+    first_eos = c.token_ids.index(eos)
+    assert c.token_ids[first_eos:] == [eos] * (12 - first_eos), "tokens after the grammar's end must all be EOS"
