@@ -53,6 +53,8 @@ class StepStats:
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
+    finished: list = field(default_factory=list)  # metrics.FinishedRequestStats
+    iteration_tokens: list[int] = field(default_factory=list)
 
 
 class AsyncLLM:
@@ -69,7 +71,7 @@ class AsyncLLM:
         self._stopped = False
         m = engine.metrics
         self._cursor = [m.num_prompt_tokens, m.num_generation_tokens, len(m.ttfts), len(m.itls),
-                        len(m.e2e_latencies)]
+                        len(m.e2e_latencies), len(m.finished), len(m.iteration_tokens)]
         self._thread = threading.Thread(target=self._run, name="mini-vllm-engine", daemon=True)
         self._thread.start()
 
@@ -249,12 +251,13 @@ class AsyncLLM:
         """Hand the loggers what the last step (or abort) changed."""
         m, c = self.engine.metrics, self._cursor
         st = None if not self.stat_loggers else StepStats(self.engine.engine_core.make_stats(), m.num_prompt_tokens - c[0],
-                       m.num_generation_tokens - c[1], m.ttfts[c[2]:], m.itls[c[3]:], m.e2e_latencies[c[4]:])
-        for lst in (m.ttfts, m.itls, m.e2e_latencies, m.queue_times):
+                       m.num_generation_tokens - c[1], m.ttfts[c[2]:], m.itls[c[3]:], m.e2e_latencies[c[4]:],
+                       m.finished[c[5]:], m.iteration_tokens[c[6]:])
+        for lst in (m.ttfts, m.itls, m.e2e_latencies, m.queue_times, m.finished, m.iteration_tokens):
             if len(lst) > _MAX_KEPT_SAMPLES:
                 del lst[:len(lst) // 2]
         self._cursor = [m.num_prompt_tokens, m.num_generation_tokens, len(m.ttfts), len(m.itls),
-                        len(m.e2e_latencies)]
+                        len(m.e2e_latencies), len(m.finished), len(m.iteration_tokens)]
         for sl in self.stat_loggers:
             sl.record(st)
 

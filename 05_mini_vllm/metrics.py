@@ -27,6 +27,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class FinishedRequestStats:
+    """One finished request (vLLM's `FinishedRequestStats`); times in seconds:
+    queue = arrival -> first scheduled, prefill = first scheduled -> first token,
+    decode = first token -> last token, inference = first scheduled -> last token."""
+
     request_id: str
     finish_reason: str | None
     e2e_latency: float
@@ -34,6 +38,17 @@ class FinishedRequestStats:
     ttft: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    n: int = 1
+    max_tokens: int = 0
+    max_num_generation_tokens: int = 0  # the longest of the n samples
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+
+    @property
+    def mean_time_per_output_token(self) -> float:
+        per_sample = self.num_generation_tokens / max(self.n, 1)
+        return self.decode_time / (per_sample - 1) if per_sample > 1 else 0.0
 
 
 @dataclass
@@ -61,9 +76,13 @@ class EngineMetrics:
     max_kv_cache_usage: float = 0.0
     last_scheduler_stats: object = None
     step_time_s: dict[str, float] = field(default_factory=dict)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    iteration_tokens: list[int] = field(default_factory=list)  # prompt + generated tokens per step
 
     def record(self, it: IterationStats, sched_stats, timings: dict[str, float]) -> None:
         self.num_steps += 1
+        self.iteration_tokens.append(it.num_prompt_tokens + it.num_generation_tokens)
+        self.finished += it.finished_requests
         self.num_prompt_tokens += it.num_prompt_tokens
         self.num_generation_tokens += it.num_generation_tokens
         self.ttfts += it.time_to_first_tokens

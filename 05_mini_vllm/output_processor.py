@@ -175,10 +175,16 @@ class OutputProcessor:
     def _finished_stats(self, st) -> FinishedRequestStats:
         m = st.metrics
         first = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+        first_tok = m.first_token_time if m.first_token_time is not None else first
+        last_tok = m.last_token_time if m.last_token_time is not None else first_tok
         return FinishedRequestStats(st.request_id, st.samples[0].finish_reason,
                                     m.finished_time - m.arrival_time, first - m.arrival_time,
                                     m.ttft, len(st.prompt_token_ids),
-                                    sum(len(s.token_ids) for s in st.samples))
+                                    sum(len(s.token_ids) for s in st.samples),
+                                    n=len(st.samples), max_tokens=getattr(st.params, "max_tokens", 0),
+                                    max_num_generation_tokens=max(len(s.token_ids) for s in st.samples),
+                                    prefill_time=first_tok - first, decode_time=last_tok - first_tok,
+                                    inference_time=last_tok - first)
 
     def _make_output(self, st: RequestState) -> RequestOutput | None:
         finished = st.finished

@@ -119,3 +119,45 @@ def test_generation_config_path_and_vllm(tmp_path):
             "a request without temperature must take the generation config's temperature 0"
     finally:
         s.stop()
+
+
+def _samples(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_request_metric_series(api_server):
+    """vLLM's per-request and per-step series, checked by counting what was sent."""
+    before = _samples(api_server)
+    r1 = _post(api_server, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 6, "n": 2, "temperature": 1.0,
+                                               "seed": 2, "ignore_eos": True})
+    r2 = _post(api_server, "/v1/completions", {"prompt": "def f():", "max_tokens": 5, "temperature": 0,
+                                               "stop_token_ids": list(range(6144))})  # stops at once
+    assert r2["choices"][0]["finish_reason"] == "stop"
+    api_server.wait_idle()
+    after = _samples(api_server)
+
+    def d(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    n_prompt = r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]
+    n_gen = r1["usage"]["completion_tokens"] + r2["usage"]["completion_tokens"]
+    assert d("vllm:request_success_total", finished_reason="length") == 1
+    assert d("vllm:request_success_total", finished_reason="stop") == 1
+    assert d("vllm:request_prompt_tokens_sum") == n_prompt and d("vllm:request_prompt_tokens_count") == 2
+    assert d("vllm:request_generation_tokens_sum") == n_gen == 12 + 1
+    assert d("vllm:request_max_num_generation_tokens_sum") == 6 + 1
+    assert d("vllm:request_params_n_sum") == 3 and d("vllm:request_params_max_tokens_sum") == 11
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert d(f"vllm:request_{name}_time_seconds_count") == 2
+    assert d("vllm:request_inference_time_seconds_sum") >= d("vllm:request_decode_time_seconds_sum") > 0
+    assert d("vllm:request_time_per_output_token_seconds_count") == 2
+    # Steps count computed tokens: a forked sample recomputes its last prompt token, hence the counters.
+    assert d("vllm:iteration_tokens_total_sum") == d("vllm:prompt_tokens_total") + d("vllm:generation_tokens_total")
+    assert d("vllm:generation_tokens_total") == n_gen and d("vllm:iteration_tokens_total_count") >= 7
+    info = [k for k in after if k[0] == "vllm:cache_config_info"]
+    assert info and dict(info[0][1])["block_size"] == "16"

@@ -205,6 +205,10 @@ def run_server(args, engine_kwargs: dict) -> int:
                      "structured_outputs_config": _json_arg("--structured-outputs-config",
                                                             args.structured_outputs_config)}
     engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], **engine_kwargs)
+    core, cfg = engine.engine.engine_core, engine.engine.config
+    stat_logger.set_cache_config_info(block_size=cfg.block_size, num_gpu_blocks=core.num_gpu_blocks,
+                                      num_cpu_blocks=core.num_cpu_blocks, cache_dtype=str(cfg.dtype),
+                                      enable_prefix_caching=cfg.enable_prefix_caching)
     app = build_app(engine, names, args.model, stat_logger, api_key,
                     _read_chat_template(args.chat_template))
 
