@@ -82,7 +82,7 @@ def side_by_side(reqs, threads: int, runs: int, llm) -> float:
         compared, total, problems = compare_phase(want, got, fields=())
         if problems:
             raise SystemExit("tokens differ from vLLM, not timing:\n" + "\n".join(problems[:5]))
-        print(f"  greedy tokens of {CHECKED} requests equal vLLM's ({compared}/{total} positions "
+        print(f"  greedy tokens of {len(check['requests'])} requests equal vLLM's ({compared}/{total} positions "
               "compared, the rest after vLLM near-ties): timing")
         t_v, t_m, same = [], [], []
         for r in range(runs):
