@@ -16,7 +16,7 @@ import torch
 
 from engine_utils import assert_pool_full, make_llm
 from mini_vllm import SamplingParams
-from mini_vllm.sampler import apply_token_bitmask
+from mini_vllm.sampler import apply_token_bitmask, unpack_token_bitmask
 from mini_vllm.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -101,9 +101,11 @@ def test_bitmask_matches_xgrammar_kernel(vocab):
     bitmask[1, 0] = -2**31  # only token 31 of the first word
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, bitmask)
-    got = apply_token_bitmask(logits, bitmask)
+    got = logits.masked_fill(~unpack_token_bitmask(bitmask, vocab), float("-inf"))  # the path without xgrammar
     assert torch.equal(got, want), "bit j of word w must allow token 32 w + j, as xgrammar lays it out"
     assert torch.equal(got[0], logits[0])
+    assert torch.equal(apply_token_bitmask(logits, bitmask), want) and not torch.equal(want, logits), \
+        "the sampler's bitmask step must not modify the caller's logits"
 
 
 def test_bad_constraints_raise_naming_the_field():
