@@ -91,6 +91,12 @@ CASES = [
     ("chat-unknown-model", CHAT, ch(model="nope"), AUTH, 404, "model"),
     ("chat-wrong-api-key", CHAT, ch(), {"Authorization": "Bearer nope"}, 401, None),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10 ** 7]}, {}, 400, "tokens"),
+    ("tokenize-unknown-field", "/tokenize", {"prompt": "x", "foo": 1}, {}, 400, "foo"),
+    ("tokenize-prompt-with-add_generation_prompt", "/tokenize", {"prompt": "x", "add_generation_prompt": False},
+     {}, 400, "add_generation_prompt"),
+    ("tokenize-messages-with-add_special_tokens", "/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                                                "add_special_tokens": False}, {}, 400,
+     "add_special_tokens"),
 ]
 
 

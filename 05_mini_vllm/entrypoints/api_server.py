@@ -148,6 +148,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
             return error_response("this model has no tokenizer", 400, None)
         if (req.prompt is None) == (req.messages is None):
             return error_response("give exactly one of prompt and messages", 400, "prompt")
+        # Each flag applies to one form only; sent with the other it would be ignored.
+        misplaced = "add_special_tokens" if req.messages is not None else "add_generation_prompt"
+        if misplaced in req.model_fields_set:
+            return error_response(f"{misplaced} applies to {'prompt' if req.messages is not None else 'messages'} "
+                                  "only", 400, misplaced)
         try:
             if req.messages is not None:
                 ids = await chat.render(req.messages, req.add_generation_prompt)

@@ -56,6 +56,8 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
+    # name and description label the schema for the caller (vLLM reads neither);
+    # the schema is always enforced exactly, whatever `strict` says.
     name: str = "response"
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
