@@ -71,7 +71,7 @@ def _engine(v, prompts, max_tokens, impl):
     return make_llm_for(impl, **kw)
 
 
-@given(workloads(), ENGINE_VARIANTS)
+@given(work=workloads(), variant=ENGINE_VARIANTS)
 def test_greedy_tokens_invariant_to_scheduling(work, variant, impl):
     prompts, max_tokens = work
     llm = _engine(variant, prompts, max_tokens, impl)
