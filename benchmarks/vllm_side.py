@@ -29,9 +29,14 @@ def vllm_python() -> Path | None:
     return py if py.is_file() and (venv / ".installed").is_file() else None
 
 
+# The cores this process could use when it started: `pin` narrows the process's own
+# affinity, and a later `pin` to more cores must still find them.
+_CORES = sorted(os.sched_getaffinity(0))
+
+
 def cpu_list(threads: int) -> str:
-    """The first `threads` cores this process may use, as vLLM's bind syntax ("0", "0-1")."""
-    cores = sorted(os.sched_getaffinity(0))[:threads]
+    """The first `threads` cores this process may use, as vLLM's bind syntax ("0,1")."""
+    cores = _CORES[:threads]
     if len(cores) < threads:
         raise ValueError(f"threads must be <= the {len(cores)} cores this process may use, got {threads}")
     return ",".join(str(c) for c in cores)
