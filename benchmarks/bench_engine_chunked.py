@@ -24,7 +24,9 @@ Two scenarios:
 
 Side by side with real vLLM (after `make vllm`): the same requests, arrival step
 and budgets, driven one `step()` at a time through vllm_runner.py's "steps"
-mode, with equal settings (block size 32, 128 MiB of KV cache, pinned cores).
+mode with vLLM's engine core in the driver's process (so a step is a step, as
+in the course's engine; vLLM's separate core process would run ahead of the
+driver's calls and hide stalls), with equal settings (block size 32, 128 MiB of KV cache, pinned cores).
 Both engines' ITLs come from the same computation on the times each request's
 tokens appeared. The decoders' greedy tokens must be identical in both engines
 before anything is reported.
@@ -105,7 +107,7 @@ def run_mini(model: str, chunked: bool, reqs: list[dict], long_prompt) -> list[d
 
 def run_vllm(model: str, chunked: bool, reqs: list[dict], long_prompt, threads: int, trials: int):
     job = vllm_job(model, [], threads=threads, **KV, **budget_args(chunked, long_prompt))
-    with VllmSession(job) as vs:
+    with VllmSession(job, in_process=True) as vs:  # step() = one engine-core step, as ours
         vs.run({"name": "warm-up", "mode": "steps", "requests": reqs[:2]})
         runs = []
         for _ in range(trials):

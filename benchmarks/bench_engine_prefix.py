@@ -10,7 +10,8 @@ own, so one engine instance serves every trial). Best of N. Both engines get
 equal settings: block size 32 (vLLM's CPU attention needs a multiple of 32), a
 1,024-token step budget, 64 MiB of KV cache, the same pinned cores. vLLM's TTFT
 is measured the way the engine's is: from `add_request` to the `step()` that
-returns the first token (vllm_runner.py's "steps" mode). Before timing, both
+returns the first token (vllm_runner.py's "steps" mode, engine core in the
+driver's process as in the course's engine). Before timing, both
 engines' first tokens and prefix hits are checked.
 Goal >= 5x warm over cold (seed 000 reports 82 -> 18 ms, 4.5x).
 
@@ -77,7 +78,7 @@ def vllm_phase(name: str, prompt: list[int]) -> dict:
 def run_vllm(prompts, threads: int) -> dict:
     res = {"cold": [], "warm": [], "tokens": [], "hits": []}
     job = vllm_job(str(model_path("tiny-py-target")), [], threads=threads, **SETTINGS)
-    with VllmSession(job) as vs:
+    with VllmSession(job, in_process=True) as vs:  # step() = one engine-core step, as ours
         vs.run(vllm_phase("warm-up", [5] * 16))
         for i, (seed, measured) in enumerate(prompts):
             out = []

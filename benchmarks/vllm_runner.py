@@ -21,6 +21,9 @@ import of vLLM for all; the result is then {"jobs": [result, ...]}). A job:
 engine one `step()` at a time (vLLM's `LLMEngine.add_request` / `step`), adds each request
 at its `arrive_at_step`, and records when each request's tokens appear: that gives TTFT and
 inter-token latencies measured the same way the course's benchmarks measure its engine.
+Run "steps" phases with VLLM_ENABLE_V1_MULTIPROCESSING=0 (`in_process=True` on the course's
+side): then each `step()` is one schedule-and-execute of the engine core, as in the course's
+engine; a separate engine-core process would run ahead of the driver's calls.
 
 The result (JSON): {"vllm_version", "load_s", "phases": [{"name", "wall_s", "results": [
     {"outputs": [{"token_ids", "text", "finish_reason", "stop_reason", "cumulative_logprob",

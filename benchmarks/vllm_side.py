@@ -97,7 +97,9 @@ def _env(threads: int, in_process: bool) -> dict:
 
 class VllmSession:
     """One vLLM instance kept alive in a `.venv-vllm` subprocess; `run(phase)` runs a phase
-    on it and returns its result. Benchmarks use it to interleave vLLM's timed runs with the
+    on it and returns its result. For "steps" phases pass `in_process=True`: with vLLM's
+    default separate engine-core process, the core keeps stepping on its own between the
+    driver's `step()` calls, so arrival steps and token times would not be the core's. Benchmarks use it to interleave vLLM's timed runs with the
     course engine's, paying vLLM's start-up once.
 
         with VllmSession(vllm_job(model, [], threads=1, **engine_args)) as vs:
@@ -112,9 +114,12 @@ class VllmSession:
         job_path = Path(self._tmp.name, "job.json")
         job_path.write_text(json.dumps(job))
         self._log = log if log is not None else open(os.devnull, "w")
+        cores = [int(c) for c in job["cpus"].split(",")]
+        # Pinned like the course's engine in the benchmarks (vLLM also binds its OpenMP threads).
         self.proc = subprocess.Popen([str(py), str(RUNNER), "--session", str(job_path)],
-                                     env=_env(len(job["cpus"].split(",")), in_process), cwd=self._tmp.name,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+                                     env=_env(len(cores), in_process), cwd=self._tmp.name,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cores))
         self.info = self._read()  # {"vllm_version", "load_s"} once the engine is up
 
     def _read(self) -> dict:
