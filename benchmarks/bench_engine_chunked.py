@@ -26,7 +26,9 @@ Side by side with real vLLM (after `make vllm`): the same requests, arrival step
 and budgets, driven one `step()` at a time through vllm_runner.py's "steps"
 mode with vLLM's engine core in the driver's process (so a step is a step, as
 in the course's engine; vLLM's separate core process would run ahead of the
-driver's calls and hide stalls), with equal settings (block size 32, 128 MiB of KV cache, pinned cores).
+driver's calls and hide stalls), with equal settings (block size 32, 128 MiB of
+KV cache, prefix caching off so that every trial computes the long prompt,
+pinned cores).
 Both engines' ITLs come from the same computation on the times each request's
 tokens appeared. The decoders' greedy tokens must be identical in both engines
 before anything is reported.
@@ -53,7 +55,9 @@ from vllm_side import MISSING, VllmSession, pin, request, vllm_job, vllm_python
 GOAL = 4.0
 BUDGET = 256
 ARRIVAL_STEP = 24
-KV = dict(block_size=32, kv_cache_memory_bytes=128 << 20)
+# Prefix caching off in both engines: a trial must compute the long prompt, not find it
+# cached by the trial before (vLLM runs every trial on one instance).
+KV = dict(block_size=32, kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False)
 
 
 def budget_args(chunked: bool, long_prompt) -> dict:
