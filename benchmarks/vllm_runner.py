@@ -41,32 +41,8 @@ import os
 import sys
 import time
 
-
-def _logprob_rows(rows) -> list | None:
-    if rows is None:
-        return None
-    out = []
-    for pos in rows:
-        if pos is None:  # vLLM has no logprob for a prompt's first token
-            out.append(None)
-            continue
-        out.append(sorted(([int(t), float(lp.logprob), int(lp.rank)] for t, lp in pos.items()),
-                          key=lambda r: (r[2], r[0])))
-    return out
-
-
-def _completion(c) -> dict:
-    return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob,
-            "logprobs": _logprob_rows(c.logprobs)}
-
-
-def _result(out, added_s: float = 0.0, times: list[float] | None = None) -> dict:
-    outputs = sorted(out.outputs, key=lambda c: c.index)
-    return {"outputs": [_completion(c) for c in outputs],
-            "prompt_logprobs": _logprob_rows(out.prompt_logprobs),
-            "num_cached_tokens": out.num_cached_tokens or 0,
-            "added_s": added_s, "token_times_s": times or []}
+# This folder is sys.path[0] when the script runs; vllm_side imports nothing but the stdlib.
+from vllm_side import RESULT_MARK, request_result
 
 
 def run_generate(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
@@ -74,7 +50,7 @@ def run_generate(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
     params = [SamplingParams(**r.get("sampling", {})) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0, [_result(o) for o in outs]
+    return time.perf_counter() - t0, [request_result(o) for o in outs]
 
 
 def run_steps(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
@@ -103,43 +79,51 @@ def run_steps(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
                 final[i] = o
         step += 1
     wall = time.perf_counter() - t0
-    return wall, [_result(final[i], added[i], times[i]) for i in range(len(reqs))]
+    return wall, [request_result(final[i], added[i], times[i]) for i in range(len(reqs))]
+
+
+def run_phase(llm, vllm, ph: dict) -> dict:
+    runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
+    wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
+    return {"name": ph.get("name", ""), "wall_s": wall, "results": results}
+
+
+def import_vllm(cpus: str):
+    """Imports vLLM after setting what it reads at import and at start-up."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the budget comes from kv_cache_memory_bytes
+    import vllm
+    return vllm
+
+
+def build_llm(job: dict, vllm):
+    return vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
 
 
 def run_job(job: dict, vllm) -> dict:
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
+    llm = build_llm(job, vllm)
     load_s = time.perf_counter() - t0
-    phases = []
-    for ph in job["phases"]:
-        runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
-        wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
-        phases.append({"name": ph.get("name", ""), "wall_s": wall, "results": results})
+    phases = [run_phase(llm, vllm, ph) for ph in job["phases"]]
     llm.llm_engine.engine_core.shutdown()  # frees the KV cache before the next job's engine
     del llm
     return {"vllm_version": vllm.__version__, "load_s": load_s, "phases": phases}
 
 
 def main(job_path: str, result_path: str) -> None:
+    import gc
+
     with open(job_path) as f:
         spec = json.load(f)
     jobs = spec["jobs"] if "jobs" in spec else [spec]
-    # Both must be set before vLLM is imported: it reads them at import and at start-up.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = jobs[0].get("cpus", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the budget comes from kv_cache_memory_bytes
-    import gc
-
-    import vllm
+    vllm = import_vllm(jobs[0].get("cpus", "0"))
     results = []
     for job in jobs:  # one import for all jobs: importing vLLM costs more than a tiny model's start
         results.append(run_job(job, vllm))
         gc.collect()
     with open(result_path, "w") as f:
         json.dump({"jobs": results} if "jobs" in spec else results[0], f)
-
-
-RESULT_MARK = "@@mini-vllm-result "
 
 
 def session(job_path: str) -> None:
@@ -149,22 +133,15 @@ def session(job_path: str) -> None:
     vLLM's start-up (compilation) more than once. An empty line ends the session."""
     with open(job_path) as f:
         job = json.load(f)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = job.get("cpus", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    import vllm
+    vllm = import_vllm(job.get("cpus", "0"))
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
+    llm = build_llm(job, vllm)
     print(RESULT_MARK + json.dumps({"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t0}),
           flush=True)
     for line in sys.stdin:
         if not line.strip():
             break
-        ph = json.loads(line)
-        runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
-        wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
-        print(RESULT_MARK + json.dumps({"name": ph.get("name", ""), "wall_s": wall, "results": results}),
-              flush=True)
+        print(RESULT_MARK + json.dumps(run_phase(llm, vllm, json.loads(line))), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
-RESULT_MARK = "@@mini-vllm-result "  # vllm_runner.py's marker for result lines on stdout
+RESULT_MARK = "@@mini-vllm-result "  # marks vllm_runner.py --session result lines on stdout
 MISSING = "real vLLM is not installed: run `make vllm` (creates .venv-vllm, about 2 minutes)"
 
 
@@ -159,12 +159,27 @@ def run_vllm(model, phases: list[dict], *, dtype: str = "float32", threads: int 
     return run_vllm_jobs([job], in_process=in_process, timeout=timeout)[0]
 
 
-def _logprob_rows(rows) -> list | None:
+def logprob_rows(rows) -> list | None:
+    """Per position, [token_id, logprob, rank] rows sorted by rank; None where a position has
+    none (a prompt's first token). Reads vLLM's and the course's Logprob dicts alike."""
     if rows is None:
         return None
     return [None if pos is None else sorted(([int(t), float(lp.logprob), int(lp.rank or 0)]
                                              for t, lp in pos.items()), key=lambda r: (r[2], r[0]))
             for pos in rows]
+
+
+def request_result(out, added_s: float = 0.0, times: list[float] | None = None) -> dict:
+    """One RequestOutput as JSON, the format both engines' results share. vLLM's and the
+    course's RequestOutput / CompletionOutput have the same field names, so one reader serves
+    vllm_runner.py (in .venv-vllm) and `run_mini` (in .venv)."""
+    return {"outputs": [{"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob,
+                         "logprobs": logprob_rows(c.logprobs)}
+                        for c in sorted(out.outputs, key=lambda c: c.index)],
+            "prompt_logprobs": logprob_rows(getattr(out, "prompt_logprobs", None)),
+            "num_cached_tokens": out.num_cached_tokens or 0,
+            "added_s": added_s, "token_times_s": times or []}
 
 
 def run_mini(model: str, phases: list[dict], *, dtype: str = "float32", **engine_args) -> dict:
@@ -185,14 +200,7 @@ def run_mini(model: str, phases: list[dict], *, dtype: str = "float32", **engine
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
-        results = [{"outputs": [{"token_ids": list(c.token_ids), "text": c.text,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                 "cumulative_logprob": c.cumulative_logprob,
-                                 "logprobs": _logprob_rows(c.logprobs)}
-                                for c in sorted(o.outputs, key=lambda c: c.index)],
-                    "prompt_logprobs": _logprob_rows(getattr(o, "prompt_logprobs", None)),
-                    "num_cached_tokens": o.num_cached_tokens}
-                   for o in outs]
+        results = [request_result(o) for o in outs]
         out_phases.append({"name": ph.get("name", ""), "wall_s": wall, "results": results})
     llm.shutdown()
     return {"load_s": load_s, "phases": out_phases}
