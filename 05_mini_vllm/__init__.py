@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 # The engine's public names, imported lazily so that `import mini_vllm.kvcache`
 # (a chapter) does not pull in the whole engine, models and transformers.
 _LAZY = {
-    "LLM": "mini_vllm.llm",
-    "LLMEngine": "mini_vllm.llm_engine",
+    "LLM": "mini_vllm.entrypoints.llm",
+    "LLMEngine": "mini_vllm.engine.llm_engine",
     "EngineConfig": "mini_vllm.config",
     "SamplingParams": "mini_vllm.sampling_params",
     "RequestOutput": "mini_vllm.outputs",

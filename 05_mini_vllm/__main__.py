@@ -1,6 +1,6 @@
-"""`python -m mini_vllm ...`: see `mini_vllm.cli`."""
+"""`python -m mini_vllm ...`: see `mini_vllm.entrypoints.cli`."""
 import sys
 
-from mini_vllm.cli import main
+from mini_vllm.entrypoints.cli import main
 
 sys.exit(main())

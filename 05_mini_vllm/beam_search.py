@@ -108,7 +108,7 @@ def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> 
     after every engine step and every selection round (tests and benchmarks
     watch the KV pool with it).
     """
-    from mini_vllm.llm import LLM  # its prompt normalisation; llm.py imports this module lazily
+    from mini_vllm.entrypoints.llm import LLM  # its prompt normalisation; llm.py imports this module lazily
 
     prompts = LLM._as_list(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)

@@ -81,7 +81,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
-        from mini_vllm.speculative import SpeculativeConfig
+        from mini_vllm.speculative.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.device == "auto":

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 
 HEADER = ('"""Utilities for working with files, paths and processes.\n\n'
           'This module is part of the standard library.\n"""\n\nimport os\nimport sys\n\n')

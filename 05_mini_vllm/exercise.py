@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context  # noqa: F401
-from mini_vllm.input_batch import CachedRequestState, InputBatch  # noqa: F401
-from mini_vllm.sampler import Sampler
-from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
+from mini_vllm.sample.sampler import Sampler
+from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.scheduler import ModelRunnerOutput
 
 # ================================================================ Part 1: the runner

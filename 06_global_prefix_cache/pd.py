@@ -22,7 +22,7 @@ import time
 def _serve(model: str, engine_args: dict, conn) -> None:
     import torch
     torch.set_num_threads(1)
-    from mini_vllm.llm_engine import LLMEngine
+    from mini_vllm.engine.llm_engine import LLMEngine
     from mini_vllm.sampling_params import SamplingParams
 
     eng = LLMEngine.from_engine_args(model, **engine_args)

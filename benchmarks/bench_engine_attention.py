@@ -8,7 +8,7 @@ vLLM's kernels the same way, on synthetic paged caches.
   cpu     `mini_vllm.kernels.cpu_paged_attention.run_varlen`, what the "cpu"
           backend calls per layer: one numba launch that reads each K/V block
           in place, once
-  torch   `mini_vllm.torch_attention.attend`, the "torch" backend: a gather of
+  torch   `mini_vllm.attention.torch_attn.attend`, the "torch" backend: a gather of
           every block into a padded tensor, then masked SDPA per group (its
           per-step plan is cached on the metadata, as in the engine)
 
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from mini_vllm import torch_attention
+from mini_vllm.attention import torch_attn as torch_attention
 from mini_vllm.forward_context import AttentionMetadata
 from mini_vllm.kernels.cpu_paged_attention import run_varlen
 from mini_vllm.paged_attention import paged_attention_varlen

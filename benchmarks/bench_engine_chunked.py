@@ -46,10 +46,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine_workloads import sample_requests
-from mini_vllm.llm_engine import LLMEngine
-from mini_vllm.metrics import percentile
+from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.metrics.stats import percentile
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 from vllm_side import MISSING, VllmSession, pin, request, vllm_job, vllm_python
 
 GOAL = 4.0

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from mini_vllm.sampler import Sampler
-from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.sample.sampler import Sampler
+from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.spec_decode.random_draws import generate_exponential_noise
 from mini_vllm.spec_decode.sampling import SamplingMetadata as Ch4Metadata

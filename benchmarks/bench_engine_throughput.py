@@ -39,7 +39,7 @@ import torch
 
 from engine_workloads import sample_requests
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.tiny_models import load_tiny_model, model_path
+from mini_vllm.course.tiny_models import load_tiny_model, model_path
 from vllm_diff import compare_phase
 from vllm_side import MISSING, VllmSession, pin, request, run_mini, vllm_job, vllm_python
 

@@ -35,9 +35,9 @@ import torch
 from engine_workloads import sample_requests
 from mini_vllm.global_cache import drop_local_pool
 from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
-from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 
 GOAL = 3.0
 

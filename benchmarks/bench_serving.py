@@ -45,8 +45,8 @@ import time
 import httpx
 
 from engine_workloads import sample_requests
-from mini_vllm.metrics import percentile
-from mini_vllm.tiny_models import model_path
+from mini_vllm.metrics.stats import percentile
+from mini_vllm.course.tiny_models import model_path
 from vllm_side import MISSING, _env, cpu_list, vllm_python
 
 GOAL = 4.0

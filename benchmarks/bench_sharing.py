@@ -28,7 +28,7 @@ from engine_workloads import corpus_token_stream
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.beam_search import BeamSearchParams, run_beam_search
 from mini_vllm.paged_attention.waste import synthetic_trace
-from mini_vllm.tiny_models import load_tiny_tokenizer, model_path
+from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
 THESIS = {  # seed 001 ch. 3, memory saving ranges (%) over n / width 2..6
     ("parallel", "Alpaca"): (6.1, 9.8), ("parallel", "ShareGPT"): (16.2, 30.5),

@@ -32,7 +32,7 @@ import torch
 
 from engine_workloads import sample_requests
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.tiny_models import corpus_files, load_tiny_tokenizer, model_path
+from mini_vllm.course.tiny_models import corpus_files, load_tiny_tokenizer, model_path
 
 TARGET, DRAFT = str(model_path("tiny-py-target")), str(model_path("tiny-py-draft"))
 EDITOR = str(model_path("tiny-py-editor"))

@@ -23,10 +23,10 @@ import time
 import torch
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.sampler import apply_token_bitmask, unpack_token_bitmask
+from mini_vllm.sample.sampler import apply_token_bitmask, unpack_token_bitmask
 from mini_vllm.sampling_params import StructuredOutputsParams as SO
 from mini_vllm.structured_output import get_backend
-from mini_vllm.tiny_models import load_tiny_tokenizer, model_path
+from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
 SCHEMA = {"type": "object", "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}}}

@@ -21,7 +21,7 @@ import torch
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.distributed import COMM_CALLS, COMM_STATS
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def timed_collectives():
     (wraps the names the layers and the executor call; restored on exit)."""
     import mini_vllm.models.layers as lay
     import mini_vllm.models.linear as lin
-    import mini_vllm.multiproc_executor as mpe
+    import mini_vllm.executor.multiproc_executor as mpe
 
     spent: Counter = Counter()
     sites = [(lin, "tensor_model_parallel_all_reduce", "all_reduce"),

@@ -7,7 +7,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from mini_vllm.tiny_models import load_tiny_tokenizer, models_dir
+from mini_vllm.course.tiny_models import load_tiny_tokenizer, models_dir
 
 
 def corpus_token_stream(tok, max_files: int = 60) -> list[int]:

@@ -5,9 +5,9 @@ exercise tests (runner inputs, sampler filters) come first where they apply.
 """
 from mutants.core import Mutant
 
-PREP = "05_mini_vllm/prepare_inputs.py"
-OPS = "05_mini_vllm/ops_topk_topp.py"
-RUNNER = "05_mini_vllm/model_runner.py"
+PREP = "05_mini_vllm/worker/prepare_inputs.py"
+OPS = "05_mini_vllm/sample/ops/topk_topp.py"
+RUNNER = "05_mini_vllm/worker/model_runner.py"
 INPUTS = ["tests/test_ch5_prepare_inputs.py"]
 FILTERS = ["tests/test_ch5_sampler_filters.py"]
 API = ["tests/test_ch5_engine_api.py"]
@@ -80,7 +80,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="stop_string_streamed_early",
-        path="05_mini_vllm/detokenizer.py",
+        path="05_mini_vllm/engine/detokenizer.py",
         old="self.hold = 0 if self.include_stop or not self.stop else max(map(len, self.stop)) - 1",
         new="self.hold = 0",
         tests=API,
@@ -88,7 +88,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="utf8_split_character_emitted",
-        path="05_mini_vllm/detokenizer.py",
+        path="05_mini_vllm/engine/detokenizer.py",
         old="if len(after) > len(before) and not after.endswith(_INCOMPLETE):",
         new="if len(after) > len(before):",
         tests=["tests/test_ch5_engine_unicode.py"],
@@ -104,7 +104,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="repetition_penalty_ignores_prompt",
-        path="05_mini_vllm/sampler.py",
+        path="05_mini_vllm/sample/sampler.py",
         old="seen = seen[:, :vocab] | (counts > 0)",
         new="seen = counts > 0",
         tests=["tests/test_ch5_sampler.py"],

@@ -103,7 +103,7 @@ def load_chapter(chapter: str, impl: str):
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if chapter == "engine":  # Chapter 5 is the root package itself
-        name = "mini_vllm.exercise" if impl == "exercise" else "mini_vllm.engine_api"
+        name = "mini_vllm.exercise" if impl == "exercise" else "mini_vllm.exercise_reference"
     else:
         name = f"mini_vllm.{chapter}" + (".exercise" if impl == "exercise" else "")
     return importlib.import_module(name)

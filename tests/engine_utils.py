@@ -7,7 +7,7 @@ import os
 import torch
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 
 SMALL_KV = 8 << 20  # 8 MiB: ~200 blocks of the tiny target in fp32, cheap to allocate
 # `make gpu-check` runs the engine tests on CUDA with the Triton backend by setting

@@ -7,7 +7,7 @@ import pytest
 
 from engine_utils import assert_pool_full, make_llm, run_greedy
 from mini_vllm import SamplingParams
-from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.engine.llm_engine import LLMEngine
 
 PROMPT = "def __init__(self, name, value=None):\n"
 

@@ -11,7 +11,7 @@ import torch
 
 from engine_utils import assert_pool_full, hf_greedy, make_llm, make_llm_for, run_greedy, target_path
 from mini_vllm import SamplingParams
-from mini_vllm.tiny_models import load_tiny_model, load_tiny_tokenizer
+from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer
 
 PROMPTS = [
     "def fib(n):",
@@ -93,7 +93,7 @@ def test_greedy_matches_hf_on_every_architecture(name, tmp_path_factory, impl):
     llama3 rope scaling) and the tiny draft: 8 prompts of different lengths together."""
     from transformers import AutoModelForCausalLM
 
-    from mini_vllm.tiny_models import model_path
+    from mini_vllm.course.tiny_models import model_path
     from test_ch5_models import RANDOM_CONFIGS
 
     if name in RANDOM_CONFIGS:

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mini_vllm.cache_engine import CPU_DEFAULT_KV_BYTES
+from mini_vllm.worker.cache_engine import CPU_DEFAULT_KV_BYTES
 from mini_vllm.distributed import GroupCoordinator
-from mini_vllm.worker import Worker
+from mini_vllm.worker.worker import Worker
 
 BYTES_PER_BLOCK = 4096
 PROFILED = 777  # what the stand-in CUDA profiler answers

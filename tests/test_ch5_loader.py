@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.models import ModelConfig, load_model
 from mini_vllm.paged_attention import allocate_kv_cache
-from mini_vllm.tiny_models import load_tiny_model, model_path
+from mini_vllm.course.tiny_models import load_tiny_model, model_path
 
 
 @pytest.fixture(scope="module")

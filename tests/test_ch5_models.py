@@ -19,7 +19,7 @@ from hf_configs import tiny_config
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.models import load_model, set_attention_backend
 from mini_vllm.paged_attention import allocate_kv_cache
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 
 ATOL = 1e-4
 # "triton" runs compiled on CUDA, and in Triton's interpreter (tests/conftest.py

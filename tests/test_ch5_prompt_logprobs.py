@@ -10,7 +10,7 @@ import torch
 
 from engine_utils import assert_pool_full, make_llm
 from mini_vllm import SamplingParams
-from mini_vllm.tiny_models import load_tiny_model, load_tiny_tokenizer
+from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer
 
 CODE = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
         "import os\nimport sys\n\nfor name in sorted(os.listdir('.')):\n    if name.endswith('.py'):\n"

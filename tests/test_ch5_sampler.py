@@ -11,8 +11,8 @@ import torch
 from oracles import filtered_distribution
 from scipy.stats import chisquare
 
-from mini_vllm.sampler import Sampler, apply_penalties
-from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.sample.sampler import Sampler, apply_penalties
+from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
 NEG = float("-inf")

@@ -128,7 +128,7 @@ def test_candidate_cuts_match_oracle_and_sort_fallback(monkeypatch):
     """Reference internals: top-k/top-p cut inside topk candidates, a row whose
     nucleus is wider retries with 8x more (C = 5 + 1 -> 48 -> 64 = all here), and
     `complete` never over-claims."""
-    import mini_vllm.ops_topk_topp as ops
+    import mini_vllm.sample.ops.topk_topp as ops
 
     monkeypatch.setattr(ops, "TOP_P_CANDIDATES", 3)  # tiny, so flat rows overflow the candidates
     rng = random.Random(8)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams, SamplingType
 from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
 

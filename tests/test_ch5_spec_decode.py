@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from engine_utils import assert_pool_full, make_llm, run_greedy
 from mini_vllm import SamplingParams
-from mini_vllm.tiny_models import load_tiny_tokenizer, model_path
+from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
 DRAFT = str(model_path("tiny-py-draft"))
 
@@ -106,7 +106,7 @@ def _draft_agreement_z(samples: torch.Tensor, prompt: list[int]) -> float:
     Oracle (HF transformers): under the target, P(t2 = d | t1) = p(d | prompt, t1)
     after temperature 1 and top-k; the count of agreements has mean sum(p_i) and
     variance sum(p_i (1 - p_i)). Accepting drafts too often pushes z up."""
-    from mini_vllm.tiny_models import load_tiny_model
+    from mini_vllm.course.tiny_models import load_tiny_model
 
     target, draft = load_tiny_model("tiny-py-target"), load_tiny_model("tiny-py-draft")
     p_agree, d_of = {}, {}

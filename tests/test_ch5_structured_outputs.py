@@ -16,7 +16,7 @@ import torch
 
 from engine_utils import assert_pool_full, make_llm
 from mini_vllm import SamplingParams
-from mini_vllm.sampler import apply_token_bitmask, unpack_token_bitmask
+from mini_vllm.sample.sampler import apply_token_bitmask, unpack_token_bitmask
 from mini_vllm.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

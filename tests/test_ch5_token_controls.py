@@ -13,7 +13,7 @@ import torch
 
 from engine_utils import assert_pool_full, make_llm
 from mini_vllm import SamplingParams
-from mini_vllm.tiny_models import load_tiny_model, load_tiny_tokenizer
+from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return"
 STEPS = 10

@@ -7,7 +7,7 @@ import pytest
 
 from engine_utils import SMALL_KV, greedy, make_llm, target_path
 from mini_vllm import SamplingParams
-from mini_vllm.async_llm import AsyncLLM, EngineDeadError
+from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(10):", "x = [1, 2, 3]"]
 

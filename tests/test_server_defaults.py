@@ -12,7 +12,7 @@ import pytest
 
 from engine_utils import make_llm, target_path
 from mini_vllm import SamplingParams
-from mini_vllm.tiny_models import load_tiny_tokenizer
+from mini_vllm.course.tiny_models import load_tiny_tokenizer
 from server_utils import API_KEY, SERVED_NAME, Server, api_server  # noqa: F401 - a fixture
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

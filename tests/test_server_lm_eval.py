@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_utils import target_path
-from mini_vllm.tiny_models import load_tiny_model, load_tiny_tokenizer
+from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer
 from server_utils import API_KEY, SERVED_NAME, api_server  # noqa: F401 - a fixture
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mini_vllm import tiny_models
+from mini_vllm.course import tiny_models
 
 MARKER = "\n# unchanged copy:\n"
 MIN_EDITOR_COPY_RUN = 8          # mean tokens copied before the first mistake (of 92); the target: about 2

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mini_vllm import tiny_models
+from mini_vllm.course import tiny_models
 
 NAMES = (tiny_models.TARGET_NAME, tiny_models.DRAFT_NAME)  # trained from scratch; the editor is tested below
 SEQ, WINDOWS = 256, 8           # held-out slice scored by the loss tests: 2,048 tokens

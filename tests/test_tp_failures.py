@@ -79,7 +79,7 @@ def test_workers_exit_when_the_driver_is_killed():
     """SIGKILL runs no finalizer: the worker must notice its peer's closed sockets and exit."""
     code = ("import os, signal, torch; torch.set_num_threads(1)\n"
             "from mini_vllm import LLM\n"
-            "from mini_vllm.tiny_models import model_path\n"
+            "from mini_vllm.course.tiny_models import model_path\n"
             "llm = LLM(str(model_path('tiny-py-target')), device='cpu', kv_cache_memory_bytes=8 << 20,"
             " tensor_parallel_size=2)\n"
             "print(llm.llm_engine.engine_core.executor.procs[0].pid, flush=True)\n"

@@ -21,7 +21,7 @@ from mini_vllm.distributed import GroupCoordinator, use_tp_group
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.models.linear import QKVParallelLinear
 from mini_vllm.distributed.parallel_state import verify_tensor_parallel_size
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 from tp_utils import TP_CONFIGS, load_rank, save_random_checkpoint, tp_children
 
 CASES = [(name, tp) for name in list(TP_CONFIGS) + ["tiny-py-target"] for tp in (2, 4)]
@@ -206,7 +206,7 @@ def test_invalid_tensor_parallel_size_is_a_clear_value_error(ckpts):
 
 
 def test_cli_flag_reaches_the_engine_arguments():
-    from mini_vllm.cli import _engine_kwargs, build_parser
+    from mini_vllm.entrypoints.cli import _engine_kwargs, build_parser
 
     for argv in (["generate", "--model", "m", "--prompt", "p", "--tensor-parallel-size", "2"],
                  ["serve", "m", "-tp", "2"]):

@@ -4,7 +4,7 @@ rendezvous (failures: test_tp_failures.py).
 `LLM.shutdown()` and garbage collection of the engine must leave no worker
 process and free the rendezvous port. The multi-machine path
 (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE) runs here on loopback with a
-rank started as `python -m mini_vllm.multiproc_executor`.
+rank started as `python -m mini_vllm.executor.multiproc_executor`.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_torchrun_style_environment_on_loopback(monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    remote = subprocess.Popen([sys.executable, "-m", "mini_vllm.multiproc_executor"],
+    remote = subprocess.Popen([sys.executable, "-m", "mini_vllm.executor.multiproc_executor"],
                               env={**os.environ, **env, "RANK": "1", "OMP_NUM_THREADS": "1"})
     try:
         for k, v in {**env, "RANK": "0"}.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine_utils import make_llm, run_greedy
-from mini_vllm.tiny_models import model_path
+from mini_vllm.course.tiny_models import model_path
 from tp_utils import wait_no_tp_children
 
 

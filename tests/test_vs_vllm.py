@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from vllm_side import MISSING, request, run_mini, run_vllm_jobs, vllm_job, vllm_python  # noqa: E402
 from vllm_diff import compare_phase, compare_prompt_logprobs  # noqa: E402
 
-from mini_vllm.tiny_models import model_path  # noqa: E402
+from mini_vllm.course.tiny_models import model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason=MISSING)
 
@@ -97,7 +97,7 @@ def feature_phase() -> dict:
     """Deterministic sampling features on the trained target, whose code text makes stop
     strings, stop tokens and EOS actually fire. Greedy throughout; logprobs=2 only for the
     near-tie rule."""
-    from mini_vllm.tiny_models import load_tiny_tokenizer
+    from mini_vllm.course.tiny_models import load_tiny_tokenizer
     nl = load_tiny_tokenizer()("\n")["input_ids"][-1]
     settings = [
         dict(min_tokens=12, stop_token_ids=[nl], max_tokens=40),

@@ -102,7 +102,7 @@ def write_card(out: Path, meta: dict, run: dict, res: dict, cmd: str) -> None:
 
 A tiny Qwen3-architecture causal language model trained by this course on Python source.
 It loads like any downloaded checkpoint: `AutoModelForCausalLM.from_pretrained("models/{name}")`
-(or `mini_vllm.tiny_models.load_tiny_model("{name}")`), fully offline.
+(or `mini_vllm.course.tiny_models.load_tiny_model("{name}")`), fully offline.
 
 | | |
 |---|---|

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from mini_vllm.tiny_models import MODEL_NAMES, load_tiny_model, load_tiny_tokenizer  # noqa: E402
+from mini_vllm.course.tiny_models import MODEL_NAMES, load_tiny_model, load_tiny_tokenizer  # noqa: E402
 
 # The last two show the trailing-space effect: the tokenizer glues a space to the next word
 # (" os"), so a prompt ending in a bare space starts from a token the model rarely saw mid-line.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mini_vllm.attention_backends import get_attn_backend
+from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.forward_context import get_forward_context
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mini_vllm.attention_backends import default_backend
+from mini_vllm.attention.backends import default_backend
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .llama import LlamaForCausalLM

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.sampling_params import SamplingParams
 
 

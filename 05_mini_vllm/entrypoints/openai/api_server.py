@@ -30,13 +30,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 import mini_vllm
-from mini_vllm.async_llm import AsyncLLM, EngineDeadError
-from mini_vllm.entrypoints.metrics import PrometheusStatLogger
-from mini_vllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from mini_vllm.metrics.prometheus import PrometheusStatLogger
+from mini_vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest)
-from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
-from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
-from mini_vllm.entrypoints.serving_engine import (ClientDisconnected, OpenAIServingModels, error_response,
+from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from mini_vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mini_vllm.entrypoints.openai.serving_engine import (ClientDisconnected, OpenAIServingModels, error_response,
                                                   value_error_response)
 
 logger = logging.getLogger("mini_vllm")

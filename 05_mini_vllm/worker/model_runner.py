@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
-from mini_vllm.input_batch import CachedRequestState, InputBatch
-from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
-from mini_vllm.sampler import Sampler, gather_logprobs
-from mini_vllm.sampling_metadata import SamplingMetadata
+from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
+from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
+from mini_vllm.sample.sampler import Sampler, gather_logprobs
+from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.scheduler import ModelRunnerOutput
-from mini_vllm.spec_verify import SpecVerifier, spec_eligible
+from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 
 
 class ModelRunner:

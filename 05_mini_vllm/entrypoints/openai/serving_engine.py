@@ -26,8 +26,8 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mini_vllm.async_llm import AsyncLLM
-from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
+from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}

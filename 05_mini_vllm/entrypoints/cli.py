@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    from mini_vllm.entrypoints.cli_args import add_serve_args
+    from mini_vllm.entrypoints.openai.cli_args import add_serve_args
 
     srv = sub.add_parser("serve", help="serve the model with an OpenAI-compatible HTTP API")
     add_serve_args(srv)
@@ -70,7 +70,7 @@ def _engine_kwargs(args) -> dict:
 
 
 def _generate(args) -> int:
-    from mini_vllm.llm import LLM
+    from mini_vllm.entrypoints.llm import LLM
     from mini_vllm.sampling_params import SamplingParams
 
     llm = LLM(args.model, **_engine_kwargs(args))
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
-            from mini_vllm.entrypoints.api_server import run_server
+            from mini_vllm.entrypoints.openai.api_server import run_server
 
             return run_server(args, _engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:

@@ -22,8 +22,8 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from mini_vllm.entrypoints.protocol import ChatCompletionRequest, UsageInfo, random_id
-from mini_vllm.entrypoints.serving_engine import (OpenAIServing, clamp_logprob, error_response, merge_streams,
+from mini_vllm.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
+from mini_vllm.entrypoints.openai.serving_engine import (OpenAIServing, clamp_logprob, error_response, merge_streams,
                                                   sse, value_error_response)
 
 

@@ -8,7 +8,7 @@ them, since the runner learns everything from that object alone.
 """
 from __future__ import annotations
 
-from mini_vllm.worker import Worker
+from mini_vllm.worker.worker import Worker
 
 
 class UniProcExecutor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import _SAMPLING_EPS, SamplingParams
+from mini_vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
 
 @dataclass

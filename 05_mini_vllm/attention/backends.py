@@ -24,7 +24,7 @@ Backends:
 * "cpu": the numba-compiled kernel `mini_vllm.kernels.cpu_paged_attention`,
   which reads K/V blocks in place (the CPU default: it skips the padded
   gather that "torch" copies every block into);
-* "torch": vectorised PyTorch (`torch_attention.py`: one block-granular gather
+* "torch": vectorised PyTorch (`torch_attn.py`: one block-granular gather
   through the block tables and one masked `scaled_dot_product_attention` per
   group), checked against Chapter 1's per-sequence reference
   `mini_vllm.paged_attention.paged_attention_varlen`.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from mini_vllm import torch_attention
+from mini_vllm.attention import torch_attn
 from mini_vllm.forward_context import AttentionMetadata
 from mini_vllm.paged_attention import reshape_and_cache as torch_reshape_and_cache
 
@@ -41,7 +41,7 @@ BACKEND_NAMES = ("torch", "triton", "cpu")
 
 
 class TorchAttentionBackend:
-    """Padded-batch attention in plain PyTorch (`mini_vllm.torch_attention`):
+    """Padded-batch attention in plain PyTorch (`mini_vllm.attention.torch_attn`):
     one plan per step, block-granular gathers, decodes bucketed by length."""
 
     name = "torch"
@@ -52,7 +52,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def attend(query, key_cache, value_cache, md: AttentionMetadata, scale: float):
-        return torch_attention.attend(query, key_cache, value_cache, md, scale)
+        return torch_attn.attend(query, key_cache, value_cache, md, scale)
 
 
 class TritonAttentionBackend:

@@ -25,7 +25,7 @@ MODEL_NAMES = (TARGET_NAME, DRAFT_NAME, EDITOR_NAME)
 
 def models_dir() -> Path:
     env = os.environ.get("MINI_VLLM_MODELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
 def model_path(name: str) -> Path:

@@ -20,12 +20,12 @@ import logging
 
 import torch
 
-from mini_vllm.attention_backends import default_backend
-from mini_vllm.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
+from mini_vllm.attention.backends import default_backend
+from mini_vllm.worker.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
                                     num_blocks_for_budget)
 from mini_vllm.distributed import GroupCoordinator, min_over_ranks, use_tp_group
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
-from mini_vllm.model_runner import ModelRunner
+from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.loader import load_model
 from mini_vllm.paged_attention import allocate_kv_cache
@@ -115,7 +115,7 @@ class Worker:
             self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)
 
     def _make_drafter(self, spec, num_blocks: int):
-        from mini_vllm.drafter import DraftModelDrafter, NgramDrafter
+        from mini_vllm.speculative.proposers import DraftModelDrafter, NgramDrafter
 
         if spec.method == "ngram":
             return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min,

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from mini_vllm.executor import UniProcExecutor
+from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
 
 logger = logging.getLogger("mini_vllm")
@@ -46,7 +46,7 @@ class EngineCore:
     def __init__(self, config) -> None:
         self.config = config
         if getattr(config, "tensor_parallel_size", 1) > 1:
-            from mini_vllm.multiproc_executor import MultiprocExecutor  # spawns ranks 1..N-1
+            from mini_vllm.executor.multiproc_executor import MultiprocExecutor  # spawns ranks 1..N-1
             self.executor = MultiprocExecutor(config)
         else:
             self.executor = UniProcExecutor(config)

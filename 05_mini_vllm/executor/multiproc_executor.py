@@ -32,7 +32,7 @@ Failure and cleanup:
 
 Across machines: with torchrun-style MASTER_ADDR, MASTER_PORT, RANK=0 and
 WORLD_SIZE set in the driver's environment, the executor spawns nothing and
-waits for ranks 1..N-1 started elsewhere as `python -m mini_vllm.multiproc_executor`
+waits for ranks 1..N-1 started elsewhere as `python -m mini_vllm.executor.multiproc_executor`
 with the same variables (their RANK); they receive the engine config from rank 0.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ from mini_vllm.distributed import (broadcast_object, destroy_distributed_environ
 from mini_vllm.distributed.parallel_state import (TORCHRUN_ENV_KEYS, torchrun_env,
                                                   verify_tensor_parallel_size)
 from mini_vllm.models.config import ModelConfig
-from mini_vllm.worker import Worker
+from mini_vllm.worker.worker import Worker
 
 logger = logging.getLogger("mini_vllm")
 
@@ -261,7 +261,7 @@ class MultiprocExecutor:
 
 
 def main() -> None:
-    """A remote rank: `RANK=k WORLD_SIZE=N MASTER_ADDR=.. MASTER_PORT=.. python -m mini_vllm.multiproc_executor`."""
+    """A remote rank: `RANK=k WORLD_SIZE=N MASTER_ADDR=.. MASTER_PORT=.. python -m mini_vllm.executor.multiproc_executor`."""
     env = torchrun_env()
     if env is None:
         raise SystemExit(f"set {', '.join(TORCHRUN_ENV_KEYS)} (torchrun style) to run a remote rank")

@@ -4,11 +4,11 @@
 --impl=reference; `mini_vllm.exercise` exposes the same names, some as stubs.
 """
 # ---- sampler filters ----
-from mini_vllm.ops_topk_topp import apply_min_p, apply_top_k_top_p
+from mini_vllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
 
 # ---- the runner: its inputs, then the runner itself ----
-from mini_vllm.model_runner import ModelRunner
-from mini_vllm.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
+from mini_vllm.worker.model_runner import ModelRunner
+from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 
 __all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
            "compute_slot_mapping"]

@@ -1,7 +1,7 @@
 """Flags of `python -m mini_vllm serve` (vLLM: `vllm/entrypoints/openai/cli_args.py`).
 
 Kept apart from `api_server` so that building the CLI parser never imports
-FastAPI or uvicorn; the engine flags come from `mini_vllm.cli`.
+FastAPI or uvicorn; the engine flags come from `mini_vllm.entrypoints.cli`.
 """
 from __future__ import annotations
 

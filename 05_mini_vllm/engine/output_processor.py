@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from mini_vllm.detokenizer import IncrementalDetokenizer
-from mini_vllm.metrics import FinishedRequestStats, IterationStats
+from mini_vllm.engine.detokenizer import IncrementalDetokenizer
+from mini_vllm.metrics.stats import FinishedRequestStats, IterationStats
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mini_vllm.scheduler.scheduler import child_request_id
 

@@ -32,8 +32,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncGenerator, Callable
 
-from mini_vllm.async_stream import ABORTED, EngineDeadError, RequestOutputStream
-from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.engine.async_stream import ABORTED, EngineDeadError, RequestOutputStream
+from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
 
 logger = logging.getLogger("mini_vllm")

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import LOGPROBS_MODES
-from .ops_topk_topp import apply_min_p, random_sample, random_sample_candidates, top_k_top_p_filter
-from .sampling_metadata import SamplingMetadata
+from mini_vllm.config import LOGPROBS_MODES
+from mini_vllm.sample.ops.topk_topp import apply_min_p, random_sample, random_sample_candidates, top_k_top_p_filter
+from mini_vllm.sample.metadata import SamplingMetadata
 
 
 @dataclass

@@ -1,0 +1,2 @@
+"""Sampling (vLLM: `vllm/v1/sample/`): `sampler.Sampler`, the batch's parameters as
+tensors in `metadata.SamplingMetadata`, filters in `ops/topk_topp`."""

@@ -1,0 +1,1 @@
+"""Sampling operators (vLLM: `vllm/v1/sample/ops/`)."""
