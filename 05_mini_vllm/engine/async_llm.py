@@ -29,11 +29,11 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import AsyncGenerator, Callable
 
 from mini_vllm.engine.async_stream import ABORTED, EngineDeadError, RequestOutputStream
 from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.metrics.stats import StepStats
 from mini_vllm.outputs import RequestOutput
 
 logger = logging.getLogger("mini_vllm")
@@ -41,20 +41,6 @@ logger = logging.getLogger("mini_vllm")
 # Engine latency lists are trimmed past this length (a server runs for days);
 # the Prometheus histograms have already counted every value.
 _MAX_KEPT_SAMPLES = 100_000
-
-
-@dataclass
-class StepStats:
-    """What one engine step added, handed to each stat logger (engine thread)."""
-
-    scheduler_stats: object = None  # engine_core.SchedulerStats
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    itls: list[float] = field(default_factory=list)
-    e2e_latencies: list[float] = field(default_factory=list)
-    finished: list = field(default_factory=list)  # metrics.FinishedRequestStats
-    iteration_tokens: list[int] = field(default_factory=list)
 
 
 class AsyncLLM:

@@ -16,21 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from mini_vllm.executor.uniproc_executor import UniProcExecutor
+from mini_vllm.metrics.stats import SchedulerStats
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
 
 logger = logging.getLogger("mini_vllm")
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler after a step (vLLM: `vllm/v1/metrics/stats.py`)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0  # tokens looked up, cumulative
-    prefix_cache_hits: int = 0     # tokens found, cumulative
-    num_preemptions: int = 0       # cumulative
 
 
 @dataclass

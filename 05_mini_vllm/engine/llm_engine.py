@@ -17,7 +17,7 @@ import time
 from mini_vllm.config import EngineConfig
 from mini_vllm.engine.core import EngineCore
 from mini_vllm.generation_config import get_diff_sampling_param
-from mini_vllm.metrics.stats import EngineMetrics, LoggingStatLogger
+from mini_vllm.metrics.loggers import EngineMetrics, LoggingStatLogger
 from mini_vllm.engine.output_processor import OutputProcessor
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import Request
