@@ -102,6 +102,12 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
+            # The connector reads rank 0's cache only; each rank's blocks would need
+            # their own pool keys (rank in the key), which Chapter 6 does not have yet.
+            raise ValueError("kv_transfer_config must be None when tensor_parallel_size > 1 (got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}): the KV pool is not "
+                             "sharded by rank")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space < 0 or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:

@@ -181,9 +181,7 @@ def plug_runner(llm) -> None:
             raise ValueError(f"plug_runner: {field} is not part of the exercise's runner")
     if core.has_unfinished_requests():
         raise ValueError("plug_runner: the engine already runs requests; plug the runner in first")
-    worker = core.executor.worker
-    worker.model_runner = ModelRunner(worker.model, worker.model_config, worker.cache_engine, cfg.block_size,
-                                      cfg.max_num_seqs, worker.max_model_len, worker.device)
+    core.executor.collective_rpc("use_model_runner", ModelRunner)
 
 
 # ================================================================ Part 2: the sampler's filters

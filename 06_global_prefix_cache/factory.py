@@ -71,16 +71,14 @@ class KVConnectorFactory:
         return cls
 
 
-def build_connectors(config, worker) -> tuple[GlobalCacheConnector, GlobalCacheConnector]:
-    """(scheduler-side, worker-side) connectors for an engine whose worker
-    already allocated its KV cache; the worker side is bound to the runner."""
+def build_connectors(config, model_config) -> tuple[GlobalCacheConnector, GlobalCacheConnector]:
+    """(scheduler-side, worker-side) connectors for an engine, built before its
+    worker: the engine core keeps the first and hands the second to its
+    executor, whose worker registers its KV tensors with it once they exist."""
     tc = KVTransferConfig.from_dict(config.kv_transfer_config)
-    layout = layout_for(config, worker.model_config, tc.extra["tp_rank"], tc.extra["model_id"])
+    layout = layout_for(config, model_config, tc.extra["tp_rank"], tc.extra["model_id"])
     store = make_store(tc)
     stats = ConnectorStats()  # one set of counters for the engine's two instances
     sched = KVConnectorFactory.create_connector(tc, KVConnectorRole.SCHEDULER, layout, store, stats)
     work = KVConnectorFactory.create_connector(tc, KVConnectorRole.WORKER, layout, store, stats)
-    runner = worker.model_runner
-    work.register_kv_caches(runner.cache_engine.gpu_cache)
-    runner.kv_connector = work
     return sched, work

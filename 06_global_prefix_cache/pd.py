@@ -22,21 +22,27 @@ import time
 def _serve(model: str, engine_args: dict, conn) -> None:
     import torch
     torch.set_num_threads(1)
+    from mini_vllm.config import EngineConfig
     from mini_vllm.engine.llm_engine import LLMEngine
+    from mini_vllm.executor.abstract import Executor
     from mini_vllm.sampling_params import SamplingParams
 
-    eng = LLMEngine.from_engine_args(model, **engine_args)
-    core = eng.engine_core
+    config = EngineConfig.from_kwargs(model, **engine_args)
     computed: dict[str, int] = {}  # request -> tokens the runner computed for it
     first_step: dict[str, int] = {}
-    orig = core.executor.execute_model
 
-    def counting(so):
-        for rid, n in so.num_scheduled_tokens.items():
-            computed[rid] = computed.get(rid, 0) + n
-            first_step.setdefault(rid, n)
-        return orig(so)
-    core.executor.execute_model = counting
+    class CountingExecutor(Executor.get_class(config)):
+        """The engine's own executor, counting what each step computes per request:
+        the report shows the decode engine computed none of the handed-off prompt."""
+
+        def execute_model(self, so):
+            for rid, n in so.num_scheduled_tokens.items():
+                computed[rid] = computed.get(rid, 0) + n
+                first_step.setdefault(rid, n)
+            return super().execute_model(so)
+
+    eng = LLMEngine(config, executor_class=CountingExecutor)
+    core = eng.engine_core
     conn.send(("ready", None))
     while True:
         while conn.poll(0 if eng.has_unfinished_requests() else None):

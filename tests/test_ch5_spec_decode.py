@@ -154,7 +154,7 @@ def _kv_of(llm, rid: str, n: int) -> list[torch.Tensor]:
     bs = core.config.block_size
     slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
     out = []
-    for k, v in core.executor.worker.cache_engine.gpu_cache:
+    for k, v in core.executor.collective_rpc(lambda worker: worker.cache_engine.gpu_cache)[0]:
         out.append(torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]))
     return out
 

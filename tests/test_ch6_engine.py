@@ -11,6 +11,7 @@ import torch
 
 from engine_utils import assert_pool_full, greedy, make_llm, run_greedy, target_path
 from mini_vllm import SamplingParams
+from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.global_cache import drop_local_pool, get_local_pool
 from mini_vllm.scheduler import Request
 
@@ -48,16 +49,16 @@ def prompts_with_prefix(seed, n, prefix_len, tail_len):
     return prefix, [prefix + [rng.randrange(10, 6000) for _ in range(tail_len)] for _ in range(n)]
 
 
-def record_scheduled(llm):
-    """Per step, the runner's {request id: tokens scheduled} (what it computes)."""
-    core = llm.llm_engine.engine_core
-    log, orig = [], core.executor.execute_model
+def recording_llm(**kw):
+    """(engine, log): per step, the log gets the runner's {request id: tokens scheduled}
+    (what it computes), recorded by an executor subclass passed at construction."""
+    log = []
 
-    def wrapped(so):
-        log.append(dict(so.num_scheduled_tokens))
-        return orig(so)
-    core.executor.execute_model = wrapped
-    return log
+    class RecordingExecutor(UniProcExecutor):
+        def execute_model(self, so):
+            log.append(dict(so.num_scheduled_tokens))
+            return super().execute_model(so)
+    return make_llm(executor_class=RecordingExecutor, **kw), log
 
 
 def computed_per_request(log):
@@ -109,8 +110,7 @@ def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk, t
     a = make_llm(kv_transfer_config=tc(pool_name), **kw)
     a_out = run_greedy(a, a_prompts, 4)
     flush(a)
-    b = make_llm(kv_transfer_config=tc(pool_name), **kw)
-    log = record_scheduled(b)
+    b, log = recording_llm(kv_transfer_config=tc(pool_name), **kw)
     b_out = greedy_logprobs(b, b_prompts, 6)
     assert a_out == run_greedy(reference, a_prompts, 4), "saving changed engine A's tokens"
     assert_same_as_reference(b_out, greedy_logprobs(reference, b_prompts, 6), "engine B")
@@ -221,8 +221,7 @@ def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference
     data = bytearray(pool.batch_get([key])[0])
     data[len(data) // 2] ^= 0x40
     pool.raw_set(key, bytes(data))
-    b = make_llm(kv_transfer_config=tc(pool_name))
-    log = record_scheduled(b)
+    b, log = recording_llm(kv_transfer_config=tc(pool_name))
     assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3), "a corrupted block was loaded"
     st = b.llm_engine.engine_core.kv_connector.stats
     assert st.corrupt_blocks == 1 and st.hit_blocks == 3

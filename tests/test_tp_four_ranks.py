@@ -34,7 +34,7 @@ def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
     finally:
         four.shutdown()
     assert got == ref, "TP = 4 (replicated kv heads) greedy tokens differ from TP = 1"
-    full = one.llm_engine.engine_core.executor.worker.cache_engine.gpu_cache
+    full = one.llm_engine.engine_core.executor.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))[0]
     for layer, (k, v) in enumerate(full):
         for r, c in enumerate(caches):
             kv = r // 2  # ranks 0, 1 read kv head 0; ranks 2, 3 read kv head 1

@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from mini_vllm.executor.uniproc_executor import UniProcExecutor
+from mini_vllm.executor.abstract import Executor
 from mini_vllm.metrics.stats import SchedulerStats
+from mini_vllm.models.config import ModelConfig
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
 
 logger = logging.getLogger("mini_vllm")
@@ -32,27 +34,30 @@ class EngineCoreStep:
 
 
 class EngineCore:
-    def __init__(self, config) -> None:
+    """`executor_class` (vLLM's argument of the same name) defaults to the one
+    the config asks for (`Executor.get_class`); tools pass a subclass to watch
+    or shape execution (Chapter 6's P/D engine process counts the tokens it
+    computes this way)."""
+
+    def __init__(self, config, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        if getattr(config, "tensor_parallel_size", 1) > 1:
-            from mini_vllm.executor.multiproc_executor import MultiprocExecutor  # spawns ranks 1..N-1
-            self.executor = MultiprocExecutor(config)
-        else:
-            self.executor = UniProcExecutor(config)
+        # Chapter 6, imported only when asked for: the scheduler-side connector stays
+        # here, its worker-side twin (same store, same counters) goes to the executor.
+        self.kv_connector = self.kv_connector_worker = None
+        if config.kv_transfer_config is not None:
+            from mini_vllm.global_cache.factory import build_connectors
+            model_config = ModelConfig.from_json(Path(config.model) / "config.json")
+            self.kv_connector, self.kv_connector_worker = build_connectors(config, model_config)
+        executor_class = executor_class or Executor.get_class(config)
+        self.executor = executor_class(config, kv_connector=self.kv_connector_worker)
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         budget_probe = config.scheduler_config(self.max_model_len, 0)
         n_gpu, n_cpu = self.executor.determine_num_blocks(budget_probe.max_num_batched_tokens)
         self.num_gpu_blocks, self.num_cpu_blocks = n_gpu, n_cpu
         self.executor.initialize_cache(n_gpu, n_cpu, config.max_num_seqs)
-        bpb = self.executor.worker.bytes_per_block
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap space: %d blocks", n_gpu,
-                    config.block_size, n_gpu * bpb / 2**20, n_cpu)
-        self.kv_connector = self.kv_connector_worker = None
-        if getattr(config, "kv_transfer_config", None) is not None:
-            # Chapter 6, imported only when asked for: scheduler- and worker-side connectors.
-            from mini_vllm.global_cache.factory import build_connectors
-            self.kv_connector, self.kv_connector_worker = build_connectors(config, self.executor.worker)
+                    config.block_size, n_gpu * self.executor.bytes_per_block / 2**20, n_cpu)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len, n_cpu), n_gpu,
                                    config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                    connector=self.kv_connector)

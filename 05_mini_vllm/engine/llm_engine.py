@@ -63,9 +63,9 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, executor_class=None) -> None:
         self.config = config
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, executor_class)
         self.model_config = self.engine_core.model_config
         self.max_model_len = self.engine_core.max_model_len
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or config.model)
@@ -80,7 +80,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
         tok = kwargs.pop("tokenizer_obj", None)
-        return cls(EngineConfig.from_kwargs(model, **kwargs), tok)
+        executor_class = kwargs.pop("executor_class", None)
+        return cls(EngineConfig.from_kwargs(model, **kwargs), tok, executor_class)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -17,8 +17,12 @@ from mini_vllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer=None, **engine_args) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(str(model), tokenizer_obj=tokenizer, **engine_args)
+    def __init__(self, model: str, *, tokenizer=None, executor_class=None, **engine_args) -> None:
+        """`engine_args` are EngineConfig's fields; `executor_class` (an
+        `mini_vllm.executor.abstract.Executor` subclass) replaces the default one,
+        for tools that watch execution."""
+        self.llm_engine = LLMEngine.from_engine_args(str(model), tokenizer_obj=tokenizer,
+                                                     executor_class=executor_class, **engine_args)
         self._counter = itertools.count()
 
     def shutdown(self) -> None:

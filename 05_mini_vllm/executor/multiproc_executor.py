@@ -4,8 +4,8 @@ vLLM counterpart: `vllm/v1/executor/multiproc_executor.py` (`MultiprocExecutor`,
 `WorkerProc.worker_busy_loop`, `collective_rpc`). vLLM v1 puts every rank in
 a worker process and ships each SchedulerOutput through a shared-memory
 `MessageQueue`; here rank 0 lives in the driver (as in vLLM v0) and the
-driver broadcasts each call over the gloo group, so `executor.worker` is a
-real Worker and the engine core reads it exactly as with `UniProcExecutor`.
+driver broadcasts each call over the gloo group. The engine core sees only
+the `Executor` interface (`abstract.py`), exactly as with `UniProcExecutor`.
 
 Protocol (every rank runs the same calls in the same order):
 * the driver broadcasts `(method, args)`, then runs `worker.method(*args)`
@@ -55,6 +55,7 @@ from mini_vllm.distributed import (broadcast_object, destroy_distributed_environ
                                    gather_object, init_distributed_environment)
 from mini_vllm.distributed.parallel_state import (TORCHRUN_ENV_KEYS, torchrun_env,
                                                   verify_tensor_parallel_size)
+from mini_vllm.executor.abstract import Executor
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.worker.worker import Worker
 
@@ -136,14 +137,11 @@ def _shutdown(procs: list, state: dict) -> None:
             p.join(timeout=5)
 
 
-class MultiprocExecutor:
-    def __init__(self, config) -> None:
+class MultiprocExecutor(Executor):
+    def __init__(self, config, kv_connector=None) -> None:
         tp = config.tensor_parallel_size
-        if getattr(config, "kv_transfer_config", None) is not None:
-            # The connector reads rank 0's cache only; each rank's blocks would need
-            # their own pool keys (rank in the key), which Chapter 6 does not have yet.
-            raise ValueError("kv_transfer_config must be None when tensor_parallel_size > 1 "
-                             f"(got tensor_parallel_size={tp}): the KV pool is not sharded by rank")
+        if kv_connector is not None:  # EngineConfig refuses kv_transfer_config with tp > 1
+            raise ValueError("kv_connector must be None for the tensor-parallel executor")
         verify_tensor_parallel_size(ModelConfig.from_json(Path(config.model) / "config.json"), tp)
         self.world_size = tp
         self.procs: list = []
@@ -178,13 +176,10 @@ class MultiprocExecutor:
         self._state["group"] = group
         self.tp_group = group
         self._call(lambda: None, config)  # ranks > 0 receive the config (remote ones need it)
-        self.worker = self._call(lambda: Worker(config, group), None, skip_broadcast=True)
-        self.model_config = self.worker.model_config
-        self.max_model_len = self.worker.max_model_len
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.worker.bytes_per_block
+        self.driver_worker = self._call(lambda: Worker(config, group), None, skip_broadcast=True)
+        self.model_config = self.driver_worker.model_config
+        self.max_model_len = self.driver_worker.max_model_len
+        self.bytes_per_block = self.driver_worker.bytes_per_block  # of this rank's KV heads
 
     def _wait_for_workers(self, store) -> None:
         """Until every rank checked in; a rank that dies first fails at once, not at the timeout."""
@@ -231,13 +226,13 @@ class MultiprocExecutor:
 
     def rpc(self, method: str, *args):
         """Run `Worker.method(*args)` on every rank; rank 0's result."""
-        return self._call(lambda: getattr(self.worker, method)(*args), (method, args, False))
+        return self._call(lambda: getattr(self.driver_worker, method)(*args), (method, args, False))
 
     def collective_rpc(self, method, *args) -> list:
         """Run `method` (a Worker method name, or a module-level function called as
         fn(worker, *args)) on every rank; the results of all ranks, in rank order."""
         def local():
-            return gather_object(_bind(self.worker, method)(*args), self.tp_group)
+            return gather_object(_bind(self.driver_worker, method)(*args), self.tp_group)
         return self._call(local, (method, args, True))
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> tuple[int, int]:

@@ -35,7 +35,8 @@ from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 
 class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
-                 max_model_len: int, device, logprobs_mode: str = "raw_logprobs") -> None:
+                 max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
+                 tokenizer_path: str | None = None, kv_connector=None) -> None:
         self.model, self.model_config = model, model_config
         self.cache_engine = cache_engine
         self.block_size = block_size
@@ -48,14 +49,14 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
-        # Chapter 6: the worker-side KV connector, set by the engine when
-        # kv_transfer_config is given (duck-typed, never imported here).
-        self.kv_connector = None
+        # Chapter 6: the worker-side KV connector when kv_transfer_config is given
+        # (duck-typed, never imported here), else None.
+        self.kv_connector = kv_connector
         self.spec_verifier = SpecVerifier(self.device)
         self.drafter = None  # set by the worker when speculative decoding is on
-        # Structured outputs: the tokenizer folder (set by the worker) and one
-        # grammar per constrained request, built on its first sampling step.
-        self.tokenizer_path: str | None = None
+        # Structured outputs: the tokenizer folder and one grammar per
+        # constrained request, built on its first sampling step.
+        self.tokenizer_path = tokenizer_path
         self.grammars: dict = {}
 
     # ---------------------------------------------------------- 1. states

@@ -34,8 +34,11 @@ logger = logging.getLogger("mini_vllm")
 
 
 class Worker:
-    def __init__(self, config, tp_group=None) -> None:
+    def __init__(self, config, tp_group=None, kv_connector=None) -> None:
         self.config = config
+        # Chapter 6's worker-side connector (None without kv_transfer_config): built by the
+        # engine core with its scheduler-side twin, handed to the runner in initialize_cache.
+        self.kv_connector = kv_connector
         self.device = torch.device(config.device)
         self.tp_group = tp_group or GroupCoordinator()  # None: one rank
         with use_tp_group(self.tp_group):  # the layers shard themselves for this rank
@@ -107,10 +110,13 @@ class Worker:
         self.cache_engine = CacheEngine(mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks,
                                         cfg.block_size, self.num_kv_heads, mc.head_dim,
                                         cfg.torch_dtype, self.device)
+        if self.kv_connector is not None:  # it reads and writes these tensors in place
+            self.kv_connector.register_kv_caches(self.cache_engine.gpu_cache)
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device,
-                                        logprobs_mode=cfg.logprobs_mode)
-        self.model_runner.tokenizer_path = cfg.tokenizer or cfg.model  # structured outputs
+                                        logprobs_mode=cfg.logprobs_mode,
+                                        tokenizer_path=cfg.tokenizer or cfg.model,
+                                        kv_connector=self.kv_connector)
         if cfg.speculative is not None:
             self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)
 
@@ -130,6 +136,14 @@ class Worker:
         bs, k = self.config.block_size, spec.num_speculative_tokens
         num_blocks += self.config.max_num_seqs * (1 + -(-k // bs))
         return DraftModelDrafter(draft, dcfg, k, num_blocks, bs, self.config.torch_dtype, self.device)
+
+    def use_model_runner(self, runner_cls) -> None:
+        """Rebuild the runner as `runner_cls` on this worker's model and KV cache
+        (`ModelRunner`'s first seven arguments): how the Chapter 5 exercise plugs its
+        own runner into a real engine (`mini_vllm.exercise.plug_runner`), before any request."""
+        cfg = self.config
+        self.model_runner = runner_cls(self.model, self.model_config, self.cache_engine, cfg.block_size,
+                                       cfg.max_num_seqs, self.max_model_len, self.device)
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)

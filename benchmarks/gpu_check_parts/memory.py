@@ -28,9 +28,9 @@ def run(model_dir: str, plan: Plan, vocab: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model_dir, **engine_args(plan))
     core = llm.llm_engine.engine_core
-    worker = core.executor.worker
-    n_blocks, per_block = core.num_gpu_blocks, worker.bytes_per_block
-    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    n_blocks, per_block = core.num_gpu_blocks, core.executor.bytes_per_block
+    weights = core.executor.collective_rpc(
+        lambda worker: sum(p.numel() * p.element_size() for p in worker.model.parameters()))[0]
     total = torch.cuda.mem_get_info()[1] if cuda else device_info("cpu")["total_memory_bytes"]
     out = {"budget_rule": "gpu_memory_utilization" if plan.kv_cache_memory_bytes is None else "kv_cache_memory_bytes",
            "gpu_memory_utilization": plan.gpu_memory_utilization if cuda else None,
