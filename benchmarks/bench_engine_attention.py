@@ -16,6 +16,9 @@ The floor: a kernel must read every K/V row of the batch at least once, so it
 cannot beat bytes(K/V) / bandwidth, with the bandwidth measured here as a
 256 MiB `dst.copy_(src)` (bytes copied per second) with the same thread count.
 "x floor" is a kernel's time over that floor (1.0 = memory-bound optimum).
+That holds for decodes; a prefill reuses each K/V row for many queries and is
+bound by arithmetic instead (4 x head_dim flops per query head and visible
+key: the scores and P @ V), so the cpu kernel's GFLOP/s is printed too.
 Only attention is timed: both backends write the cache with the same
 `reshape_and_cache` first. Outputs are checked against Chapter 1's reference
 before timing; times are the best of REPEATS calls, the two kernels called
@@ -46,7 +49,7 @@ from mini_vllm.paged_attention import paged_attention_varlen
 REPEATS = 20
 BS = 16
 QWEN3 = (16, 8, 128)  # Qwen3-0.6B attention: query heads, KV heads, head_dim
-ISSUE = (4, 2, 64)    # the decode batch of the issue that proposed this kernel
+ISSUE = (4, 2, 64)    # the decode batch of the issue that proposed this kernel; tiny-py-target's attention
 
 
 def _lens(n, lo, hi, seed):
@@ -59,9 +62,14 @@ BATCHES = {
     "decode x64, 200-700, heads 4/2 d64": (ISSUE, _lens(64, 200, 700, 1), [1] * 64, torch.float32),
     "decode x16, 256-1024, Qwen3 heads": (QWEN3, _lens(16, 256, 1024, 2), [1] * 16, torch.float32),
     "decode x16, 256-1024, Qwen3, bf16": (QWEN3, _lens(16, 256, 1024, 2), [1] * 16, torch.bfloat16),
+    "prefill 256, heads 4/2 d64": (ISSUE, [256], [256], torch.float32),
+    "prefill x2, 512, heads 4/2 d64, bf16": (ISSUE, [512, 512], [512, 512], torch.bfloat16),
+    "mixed: 2 chunks of 256 + 14 decodes, d64": (ISSUE, [768, 512] + _lens(14, 256, 1024, 3), [256, 256] + [1] * 14,
+                                                 torch.float32),
+    "prefill 256, Qwen3 heads": (QWEN3, [256], [256], torch.float32),
+    "prefill x2, 512 tokens": (QWEN3, [512, 512], [512, 512], torch.float32),
     "mixed: 2 chunks of 256 + 14 decodes": (QWEN3, [768, 512] + _lens(14, 256, 1024, 3), [256, 256] + [1] * 14,
                                             torch.float32),
-    "prefill x2, 512 tokens": (QWEN3, [512, 512], [512, 512], torch.float32),
 }
 
 
@@ -87,7 +95,8 @@ def make(heads, seq_lens, q_lens, dtype, seed=0):
                            max(q_lens), max(seq_lens), list(q_lens), list(seq_lens))
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * kc.element_size()
-    return q, kc, vc, md, kv_bytes
+    visible = sum(s - q + t + 1 for s, q in zip(seq_lens, q_lens) for t in range(q))  # (query, key) pairs, causal
+    return q, kc, vc, md, kv_bytes, 4 * num_heads * head_dim * visible
 
 
 def copy_bandwidth(repeats: int = 10) -> float:
@@ -143,7 +152,7 @@ def main():
     print(f"cpu kernel first call, fresh process: {cold[0]:.1f} s fp32 + {cold[1]:.1f} s bf16 with an empty "
           f"numba cache (compile); {warm[0]:.2f} s + {warm[1]:.2f} s from the disk cache")
     cases = {name: make(*spec) for name, spec in BATCHES.items()}
-    for name, (q, kc, vc, md, _) in cases.items():
+    for name, (q, kc, vc, md, _, _) in cases.items():
         scale = q.shape[-1] ** -0.5
         want = paged_attention_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale).float()
         tol = 1e-4 if q.dtype == torch.float32 else 2e-2
@@ -155,17 +164,17 @@ def main():
         torch.set_num_threads(threads)  # the kernel follows torch's thread count
         bw = copy_bandwidth()
         print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s; block {BS}, best of {REPEATS}")
-        print(f"{'batch':38s} {'K/V MB':>7s} {'floor ms':>9s} {'cpu ms':>8s} {'x floor':>8s} "
-              f"{'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
-        for name, (q, kc, vc, md, kv_bytes) in cases.items():
+        print(f"{'batch':42s} {'K/V MB':>7s} {'floor ms':>9s} {'cpu ms':>8s} {'x floor':>8s} "
+              f"{'cpu GFLOP/s':>12s} {'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
+        for name, (q, kc, vc, md, kv_bytes, flops) in cases.items():
             scale = q.shape[-1] ** -0.5
             with torch.no_grad():
                 t_cpu, t_torch = best_interleaved([
                     lambda: run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale),
                     lambda: torch_attention.attend(q, kc, vc, md, scale)])
             floor = kv_bytes / bw
-            print(f"{name:38s} {kv_bytes / 1e6:7.1f} {floor * 1e3:9.2f} {t_cpu * 1e3:8.2f} {t_cpu / floor:8.2f} "
-                  f"{t_torch * 1e3:9.2f} {t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
+            print(f"{name:42s} {kv_bytes / 1e6:7.1f} {floor * 1e3:9.2f} {t_cpu * 1e3:8.2f} {t_cpu / floor:8.2f} "
+                  f"{flops / t_cpu / 1e9:12.1f} {t_torch * 1e3:9.2f} {t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,42 +8,64 @@ the Triton kernels beside this file.
 Why a compiled kernel on the CPU: the "torch" backend first copies every
 sequence's blocks into a padded tensor, then reads that copy again in one
 SDPA call. This kernel walks each sequence's block table and reads K/V rows
-where they lie in the cache, once, with an online softmax (running max,
-running sum, fp32 accumulator), as Chapter 1's lesson and the Triton kernel do.
+where they lie in the cache, once per query tile, with an online softmax
+(running max, running sum, fp32 accumulator), as Chapter 1's lesson and the
+Triton kernel do.
 
 Work split: one work item is (sequence, KV head, tile of up to
 `TILE_ROWS // group` query tokens). A decode is one item per KV head; a long
 prefill is cut into tiles so two cores share it. Items run in a `prange`
 handed out one at a time (chunk size 1), longest first, so ragged batches end
 balanced. An item stacks its query tokens x the `group` query heads of its KV
-head (GQA) into rows, so each K/V row is widened once and used by all of them.
+head (GQA) into the rows of a query tile Q, so each K/V row is widened once
+and used by all of them.
+
+One item, FlashAttention's loop: the sequence's keys are taken a step at a
+time, several cache blocks per step (K and V tiles of `KV_TILE_BYTES` each),
+and per step
+
+    S   = Q @ K_step.T                 one matrix product, rows x keys
+    P   = exp(S - running max)         keys in a row's future get P = 0
+    acc = acc * alpha + P @ V_step     alpha = exp(old max - new max)
+
+The two products are BLAS calls (numba compiles `np.dot` on float32 arrays to
+sgemm from scipy's OpenBLAS), the softmax between them is plain loops. The
+same code serves a decode (1 to `group` rows) and a prefill tile (64 rows).
 
 Invariants:
 - only positions < seq_len are read: an item's last key is its last query's
   position, so -1 table entries, unused blocks and NaN slots past seq_len are
-  never touched;
+  never touched (a masked key's P is 0, but 0 * NaN would still be NaN);
 - query t of a sequence sits at position seq_len - q_len + t and sees keys
-  0 .. that position; key 0 is visible to every row, so each row's first
-  block sets a finite running max before any fully masked block is skipped.
+  0 .. that position; key 0 is in the first step and visible to every row, so
+  each row's running max is finite from the first step on.
 
 Arithmetic: fp32 scores, softmax and accumulators. The caches are read as raw
 bits (fp32 as uint32, bf16 and fp16 as uint16; numba has no bf16 or CPU fp16
 type) and each K/V block is widened into an fp32 tile: bf16 by shifting its
-16 bits into the top of an fp32, fp16 by the exponent rebias below. The
-output is fp32 and cast to the query's dtype by torch (round to nearest even).
-`fastmath` allows only reassociation and fused multiply-add, so dot products
-vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
-division by zero give inf/NaN (as in torch) instead of raising from a thread.
+16 bits into the top of an fp32, fp16 by the exponent rebias below. exp of
+the scores is a polynomial the compiler vectorises (`_exp`, relative error
+under 1e-7). The output is fp32 and cast to the query's dtype by torch (round to
+nearest even). `fastmath` allows only reassociation and fused multiply-add,
+so loops vectorise while -inf and NaN keep IEEE meaning; numpy's error model
+makes a division by zero give inf/NaN (as in torch) instead of raising from
+a thread.
+
+Threads: as many as torch uses (`torch.set_num_threads`, OMP_NUM_THREADS), so
+one setting governs both. BLAS is held to one thread while the kernel runs
+(`_single_threaded_blas`): numba's threads are the parallelism, and an
+OpenBLAS that split each product again would put 2 x 2 threads on 2 cores.
 
 Compile: once per cache width (uint32 for fp32, uint16 for bf16 and fp16) on
-first use, about 5 s of CPU each (13 s wall on a busy 2-core machine;
-`benchmarks/bench_engine_attention.py` prints it), then loaded from numba's
-on-disk cache in about a second (`cache=True`: `__pycache__` beside this
-file, or NUMBA_CACHE_DIR where that is read-only). Threads: as many as torch
-uses (`torch.set_num_threads`, OMP_NUM_THREADS), so one setting governs both.
+first use, about 5 to 6 s of CPU each (7 to 8 s wall on a busy 2-core
+machine; the BLAS bindings add about 1 s), then loaded from numba's on-disk
+cache in under half a second (`cache=True`: `__pycache__` beside this file,
+or NUMBA_CACHE_DIR where that is read-only; `benchmarks/bench_engine_attention.py`
+prints both).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -66,16 +88,27 @@ def _writable_cache_dir() -> None:
 _writable_cache_dir()
 
 import numba  # noqa: E402  (after the cache dir is settled: numba reads it at import)
+import scipy.linalg.cython_blas  # noqa: E402, F401  (the BLAS numba's np.dot calls: loaded before we limit it)
 from numba import njit, prange  # noqa: E402
 
 FMT_FP32, FMT_BF16, FMT_FP16 = 0, 1, 2
 _FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
 # Query rows (tokens x heads of a group) per work item: 64 rows x head_dim 128
-# of fp32 accumulators is 32 KiB, about one L1 cache.
+# of fp32 accumulators is 32 KiB. Measured against 32, 128 and 256 rows: 64 is
+# as fast as any on prefills of 64-512 tokens (128 and 256 lose up to 25% on
+# short prefills, whose last tile is mostly empty).
 TILE_ROWS = 64
+# Keys per softmax step: as many as fill a 32 KiB fp32 tile (128 keys at
+# head_dim 64, 64 at 128), rounded down to whole cache blocks: larger matrix
+# products and fewer rescales than one 16-key block per step, 10% faster on a
+# 512-token prefill (20.1 -> 18.1 ms at head_dim 128); 64 KiB tiles measured
+# within 8% either way.
+KV_TILE_BYTES = 32 << 10
 _FASTMATH = {"reassoc", "contract"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
 _NEG_INF = np.float32(-np.inf)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 = HI + LO, HI exact in 9 bits
 
 
 @njit(cache=True)
@@ -89,6 +122,31 @@ def _fp16_to_fp32(h):
     if (h & 0x7C00) == 0x7C00:
         return np.uint32(bits | 0x7F800000).view(np.float32)
     return bits.view(np.float32) * _TWO_POW_112
+
+
+@njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")
+def _exp(x):
+    """exp(x) in fp32, for x clamped to [-87, 88] (where exp is a normal fp32).
+    Why not np.exp: numba calls libm's expf once per element, so the softmax
+    loop (max, exp, sum) takes 2.9 ns a score here; this is plain arithmetic,
+    the loop vectorises and takes 0.8 ns (a 512-token prefill at head_dim 128:
+    23 -> 18 ms). exp(x) =
+    2**n * exp(r) with n = round(x / ln 2) and |r| <= ln(2) / 2: exp(r) is
+    Cephes' degree-7 polynomial (relative error < 1e-7), 2**n is n + 127
+    written into a float's exponent bits. Scores minus the running max are
+    <= 0; below -87 it returns exp(-87) ~ 2e-38 instead of a smaller number,
+    nothing next to a row sum >= 1."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO  # in two parts so r keeps its low bits
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * np.uint32((np.int32(n) + 127) << 23).view(np.float32)
 
 
 @njit(cache=True)
@@ -112,10 +170,10 @@ def _widen_block(cache, phys, kvh, n, fmt, tile):
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start, q_len, t0, t1, kvh,
-                 group, fmt, scale, q_tile, acc, m, l, scores, k_tile, v_tile):
+                 group, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf, k_tile, v_tile):
     """Query tokens t0..t1-1 of one sequence x the group of KV head kvh, over
-    the sequence's blocks with an online softmax. Scratch arrays are the
-    calling thread's own."""
+    the sequence's keys, step_keys at a time, with an online softmax. Scratch
+    arrays are the calling thread's own."""
     head_dim = query.shape[2]
     block_size = key_cache.shape[1]
     context_len = seq_len - q_len  # query t sits at position context_len + t
@@ -127,39 +185,46 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
             acc[r, d] = 0.0
         m[r] = _NEG_INF
         l[r] = 0.0
+    q = q_tile[:rows]
+    # np.dot(a, b, out) needs a contiguous out of the exact shape: views of flat buffers.
+    pv = pv_buf[:rows * head_dim].reshape((rows, head_dim))
     kv_end = context_len + t1  # the item's last query sees keys up to context_len + t1 - 1
-    for b in range((kv_end + block_size - 1) // block_size):
-        start = b * block_size
-        n = min(block_size, kv_end - start)  # never a slot at or past kv_end <= seq_len
-        phys = table_row[b]
-        _widen_block(key_cache, phys, kvh, n, fmt, k_tile)
-        _widen_block(value_cache, phys, kvh, n, fmt, v_tile)
+    for start in range(0, kv_end, step_keys):
+        n = min(step_keys, kv_end - start)  # never a slot at or past kv_end <= seq_len
+        for c in range(0, n, block_size):  # step_keys is a multiple of block_size
+            phys = table_row[(start + c) // block_size]
+            keys = min(block_size, n - c)
+            _widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:])
+            _widen_block(value_cache, phys, kvh, keys, fmt, v_tile[c:])
+        # All rows x all keys of the step in one sgemm instead of a dot-product
+        # loop per (row, key), and P @ V below: with np.exp, 1.9x on a 512-token
+        # prefill at head_dim 128 (44 -> 23 ms), a few % on decodes.
+        s = s_buf[:rows * n].reshape((rows, n))
+        np.dot(q, k_tile[:n].T, s)
         for r in range(rows):
-            last = context_len + t0 + r // group - start  # causal: the row sees keys j <= last of this block
-            if last < 0:
-                continue  # the whole block lies in this row's future
+            seen = min(n, context_len + t0 + r // group - start + 1)  # causal: the row sees keys 0..seen-1
             m_new = m[r]
-            for j in range(n):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += q_tile[r, d] * k_tile[j, d]
-                if j > last:
-                    s = _NEG_INF  # an fp32 constant: a float64 -inf would turn s, p and acc math to fp64
-                scores[j] = s
-                m_new = max(m_new, s)
-            alpha = np.exp(m[r] - m_new)  # rescales what earlier blocks summed (0 on the first)
-            l_r = l[r] * alpha
-            for d in range(head_dim):
-                acc[r, d] *= alpha
-            # A masked key adds 0 * v: v must be a real key's value, never a NaN slot
-            # past seq_len (0 * NaN = NaN), hence n stops at kv_end.
-            for j in range(n):
-                p = np.exp(scores[j] - m_new)
+            for j in range(seen):
+                m_new = max(m_new, s[r, j])
+            a = np.exp(m[r] - m_new)  # rescales what earlier steps summed (0 on the first)
+            l_r = l[r] * a
+            for j in range(seen):
+                p = _exp(s[r, j] - m_new)
+                s[r, j] = p
                 l_r += p
-                for d in range(head_dim):
-                    acc[r, d] += p * v_tile[j, d]
+            for j in range(max(seen, 0), n):
+                s[r, j] = 0.0  # the key lies in this row's future
+            alpha[r] = a
             m[r] = m_new
             l[r] = l_r
+        # P @ V as a second sgemm instead of acc[r] += p * v per (row, key),
+        # then the rescale and the sum in one pass over acc. A masked key adds
+        # 0 * v: v must be a real key's value, never a NaN slot past seq_len
+        # (0 * NaN = NaN), hence n stops at kv_end.
+        np.dot(s, v_tile[:n], pv)
+        for r in range(rows):
+            for d in range(head_dim):
+                acc[r, d] = acc[r, d] * alpha[r] + pv[r, d]
     for r in range(rows):
         tok, head = q_start + t0 + r // group, kvh * group + r % group
         inv = np.float32(1.0) / l[r]  # l >= 1: every row saw key 0 and its own max
@@ -185,7 +250,7 @@ def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int)
 
 @njit(cache=True, parallel=True)
 def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_q, seq_lens, item_seq, item_t0,
-                   tile_tokens, fmt, scale, q_tile, acc, m, l, scores, k_tile, v_tile):
+                   tile_tokens, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf, k_tile, v_tile):
     """Every (item, KV head) pair in one prange; scratch arrays have one slice per thread."""
     num_kv_heads = key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -196,8 +261,44 @@ def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_
         q_len = cu_seqlens_q[i + 1] - q_start
         tid = numba.get_thread_id()
         _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
-                     t0, min(t0 + tile_tokens, q_len), kvh, group, fmt, scale, q_tile[tid], acc[tid],
-                     m[tid], l[tid], scores[tid], k_tile[tid], v_tile[tid])
+                     t0, min(t0 + tile_tokens, q_len), kvh, group, fmt, scale, step_keys, q_tile[tid], acc[tid],
+                     m[tid], l[tid], alpha[tid], s_buf[tid], pv_buf[tid], k_tile[tid], v_tile[tid])
+
+
+_blas_libraries = None  # threadpoolctl's handles on the process's BLAS libraries, found on first use
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    """BLAS held to one thread inside the block, then set back. numba's np.dot
+    calls scipy's OpenBLAS from inside the prange threads, and OpenBLAS splits
+    any product above 64 x 64 x 64 multiply-adds over threads of its own, as
+    many as there are cores unless OPENBLAS_NUM_THREADS / OMP_NUM_THREADS say
+    otherwise: 2 numba threads x 2 BLAS threads on 2 cores. Measured on one
+    core with 2 BLAS threads: a 64 x 64 x 128 product took 15.6 ms instead of
+    12.8 us, a 512-token prefill 11.8 s instead of 20 ms (the threads spin,
+    waiting for each other). threadpoolctl (installed with scikit-learn, which
+    lm-eval needs) finds every loaded BLAS whatever its build; without it BLAS
+    is left as configured. Costs 2 us a call (11 us when it has to change and
+    restore a thread count), against the call's fixed 50 us."""
+    global _blas_libraries
+    if _blas_libraries is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _blas_libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+        except ImportError:
+            _blas_libraries = []
+    changed = []
+    for lib in _blas_libraries:
+        threads = lib.get_num_threads()
+        if threads is not None and threads > 1:
+            lib.set_num_threads(1)
+            changed.append((lib, threads))
+    try:
+        yield
+    finally:
+        for lib, threads in changed:
+            lib.set_num_threads(threads)
 
 
 def _cache_bits(cache: torch.Tensor) -> np.ndarray:
@@ -231,26 +332,31 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     tile_tokens = max(1, TILE_ROWS // group)
+    step_keys = block_size * max(1, KV_TILE_BYTES // (4 * head_dim) // block_size)
     cu = cu_seqlens_q.contiguous().numpy()
     seq_lens = seq_lens.to(torch.int32).contiguous().numpy()
     item_seq, item_t0 = plan_items(cu, seq_lens, tile_tokens)
     nthreads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(nthreads)
-    # Per-thread scratch, allocated once per call (not once per item, inside the loop).
+    # Per-thread scratch, allocated once per call (not once per item, inside the
+    # loop): about 3 us of the call's fixed 50 us, so not cached across calls.
     rows = tile_tokens * group
     f32 = np.float32
-    scratch = (np.empty((nthreads, rows, head_dim), f32), np.empty((nthreads, rows, head_dim), f32),
-               np.empty((nthreads, rows), f32), np.empty((nthreads, rows), f32), np.empty((nthreads, block_size), f32),
-               np.empty((nthreads, block_size, head_dim), f32), np.empty((nthreads, block_size, head_dim), f32))
+    scratch = (np.empty((nthreads, rows, head_dim), f32), np.empty((nthreads, rows, head_dim), f32),  # Q, acc
+               np.empty((nthreads, rows), f32), np.empty((nthreads, rows), f32),  # running max, running sum
+               np.empty((nthreads, rows), f32),  # alpha, each row's rescale in this step
+               np.empty((nthreads, rows * step_keys), f32), np.empty((nthreads, rows * head_dim), f32),  # S/P, P @ V
+               np.empty((nthreads, step_keys, head_dim), f32), np.empty((nthreads, step_keys, head_dim), f32))  # K, V
     fp32 = query.dtype == torch.float32
     out = torch.empty_like(query) if fp32 else torch.empty(query.shape, dtype=torch.float32)
     # Items are handed out one at a time, not in equal slices. Set here, not in the
     # kernel: numba cannot cache a function that sets it (a ctypes global).
     previous = numba.set_parallel_chunksize(1)
     try:
-        _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
-                       _cache_bits(value_cache), out.numpy(), block_tables.contiguous().numpy(), cu, seq_lens,
-                       item_seq, item_t0, tile_tokens, _FORMATS[key_cache.dtype], f32(scale), *scratch)
+        with _single_threaded_blas():
+            _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
+                           _cache_bits(value_cache), out.numpy(), block_tables.contiguous().numpy(), cu, seq_lens,
+                           item_seq, item_t0, tile_tokens, _FORMATS[key_cache.dtype], f32(scale), step_keys, *scratch)
     finally:
         numba.set_parallel_chunksize(previous)
     return out if fp32 else out.to(query.dtype)

@@ -104,13 +104,26 @@ def test_large_logits_need_the_running_max():
 
 
 def test_long_prefill_spans_many_query_tiles(monkeypatch):
-    """8-row tiles: a 40-token prefill is 10 to 40 work items per KV head, so
-    the per-tile causal bound and the tile -> token map are exercised."""
+    """8-row tiles and one cache block per softmax step: a 40-token prefill is
+    10 to 40 work items per KV head and 5 steps, so the per-tile causal bound,
+    the tile -> token map and the rescale between steps are exercised."""
     monkeypatch.setattr(cpa, "TILE_ROWS", 8)
+    monkeypatch.setattr(cpa, "KV_TILE_BYTES", 1)  # rounds up to one block per step
     batch = RaggedBatch(seq_lens=(3, 40, 33, 17), q_lens=(3, 40, 18, 1))
     for ratio in (1, 4):
         check_varlen(batch, scrambled_layout(batch.seq_lens, 8, seed=ratio), GQAShape(2 * ratio, 2, 32),
                      torch.float32, seed=ratio)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", (1, 2, 4))
+def test_prefills_at_the_default_tile_sizes(ratio, dtype):
+    """The sizes the engine runs: full 64-row query tiles and several
+    128-key softmax steps (head_dim 64) per item, with a whole prefill, a chunk
+    after 200 earlier positions, a decode and a 21-token prefill (a partial tile)."""
+    batch = RaggedBatch(seq_lens=(300, 300, 290, 21), q_lens=(300, 100, 1, 21))
+    check_varlen(batch, scrambled_layout(batch.seq_lens, 16, seed=ratio), GQAShape(2 * ratio, 2, 64), dtype,
+                 seed=ratio)
 
 
 def test_one_and_two_threads_give_identical_bits():
