@@ -46,8 +46,10 @@ class DraftModelProposer:
     """Draft k tokens with any next-token model, sampling exactly as the target does.
 
     The model is called k times on the growing contexts (no KV cache here;
-    Chapter 5 plugs in a real small model with its own cache). Greedy requests
-    take the argmax, others sample with their own generator when one is given.
+    Chapter 5's `speculative.proposers.DraftModelProposer` plugs in a real
+    small model with its own paged cache). Greedy requests take the argmax,
+    others sample with their own generator when one is given; an all-greedy
+    batch draws no random numbers.
     """
 
     def __init__(self, model: NextTokenModel, k: int = 4):
@@ -62,16 +64,20 @@ class DraftModelProposer:
         batch = len(contexts)
         sampling.validate(batch)
         ctx = [list(c) for c in contexts]
+        all_greedy = bool(sampling.is_greedy.all())
         tokens, probs = [], []
         for _ in range(self.k):
             logits = self.model(ctx)
             if logits.dim() != 2 or logits.shape[0] != batch:
                 raise ValueError(f"draft model must return logits [batch={batch}, vocab], got {tuple(logits.shape)}")
             p = compute_probs(logits, sampling)
-            noise = torch.empty_like(p).exponential_()
-            for i, g in (generators or {}).items():
-                noise[i].exponential_(generator=g)
-            tok = torch.where(sampling.is_greedy.to(p.device), p.argmax(-1), sample_from_probs(p, noise))
+            if all_greedy:  # argmaxes only: no noise drawn, the global generator is left alone
+                tok = p.argmax(-1)
+            else:
+                noise = torch.empty_like(p).exponential_()
+                for i, g in (generators or {}).items():
+                    noise[i].exponential_(generator=g)
+                tok = torch.where(sampling.is_greedy.to(p.device), p.argmax(-1), sample_from_probs(p, noise))
             tokens.append(tok)
             probs.append(p)
             for c, t in zip(ctx, tok.tolist()):

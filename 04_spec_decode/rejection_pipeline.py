@@ -8,6 +8,14 @@ a sampler -> tokens. The sampler rules themselves (accept, recover, bonus)
 plug in as `per_request_sampler`, `batched_sampler` and `triton_sampler`:
 `rejection_sampler.RejectionSampler` sets the reference ones, the exercise its
 own, so the end-to-end tests run whichever is under test.
+
+The logits -> probabilities step plugs in too (`compute_probs=`, Chapter 4's
+`sampling.compute_probs` by default). Verification is lossless for the
+distribution this step computes, so an engine passes its own sampler's
+processing: a request's tokens then follow one distribution whether a step
+verifies drafts or samples plainly (Chapter 5 passes one built on
+`mini_vllm.sample.ops.topk_topp`). `sampling` is whatever that function
+reads, plus `is_greedy` [B] and `validate(batch)`.
 """
 from __future__ import annotations
 
@@ -30,7 +38,9 @@ class RejectionSamplerPipeline:
     batched_sampler = None
     triton_sampler = None
 
-    def __init__(self, backend: str = "torch"):
+    def __init__(self, backend: str = "torch", compute_probs=compute_probs):
+        """compute_probs(logits [n, V], sampling, rows_per_request=None) -> float32 [n, V]:
+        the temperature / top-k / top-p processing (see `sampling.compute_probs`)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'reference', 'torch' or 'triton', got {backend!r}")
         sampler = {"reference": self.per_request_sampler, "torch": self.batched_sampler,
@@ -38,6 +48,7 @@ class RejectionSamplerPipeline:
         if sampler is None:
             raise ValueError(f"backend {backend!r} has no sampler in {type(self).__name__}")
         self.backend = backend
+        self.compute_probs = compute_probs
 
     def __call__(self, metadata, draft_probs, target_logits, sampling, generators=None, draft_logits=None):
         """metadata: SpecDecodeMetadata; target_logits [sum(k_b + 1), V] (drafts then bonus row per
@@ -56,8 +67,8 @@ class RejectionSamplerPipeline:
             if draft_probs is not None:
                 raise ValueError("pass draft_probs or draft_logits, not both")
             # Greedy verification never reads q, so an all-greedy batch skips it.
-            draft_probs = None if all_greedy else compute_probs(draft_logits, sampling, num)
-        target_probs = compute_probs(target_logits[metadata.target_logits_indices], sampling, num)
+            draft_probs = None if all_greedy else self.compute_probs(draft_logits, sampling, num)
+        target_probs = self.compute_probs(target_logits[metadata.target_logits_indices], sampling, num)
         device = target_logits.device
         is_greedy = sampling.is_greedy.to(device)
         if all_greedy:
@@ -66,7 +77,7 @@ class RejectionSamplerPipeline:
             recovery_noise = torch.ones(batch, vocab, dtype=torch.float32, device=device)
             bonus = target_logits[metadata.bonus_logits_indices].argmax(-1)
         else:
-            bonus_probs = compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
+            bonus_probs = self.compute_probs(target_logits[metadata.bonus_logits_indices], sampling)
             # Fixed draw order per seeded request: uniforms, recovery noise, bonus noise.
             uniform = generate_uniform_probs(num.tolist(), generators, device)
             recovery_noise = generate_exponential_noise(batch, vocab, generators, device)

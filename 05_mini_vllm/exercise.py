@@ -89,7 +89,7 @@ class ModelRunner:
         self.sampler = Sampler()
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
-        self.kv_connector = self.drafter = None  # not part of the exercise (see plug_runner)
+        self.kv_connector = self.proposer = None  # not part of the exercise (see plug_runner)
 
     @staticmethod
     def _make_generator(params):

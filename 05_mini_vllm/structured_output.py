@@ -8,7 +8,7 @@ the tokenizer's vocabulary into an automaton, and a `GrammarMatcher` walks it
 token by token and fills a bitmask of the tokens allowed next.
 
 How it plugs into the engine:
-- `LLMEngine.process_inputs` compiles the request's constraint once, so a
+- `Processor.process_inputs` (`engine/processor.py`) compiles the request's constraint once, so a
   schema or regex that does not compile is a ValueError (a 400) before the
   request is queued; the compiler caches it for the runner.
 - The model runner keeps one `Grammar` per constrained request. Before each
@@ -20,7 +20,7 @@ How it plugs into the engine:
 - After the grammar accepted a stop token (it is complete) only the stop
   tokens stay allowed, so `ignore_eos` cannot push it past its end.
 - Speculative decoding: constrained requests get no drafts (see
-  `spec_verify.spec_eligible`), so every token is sampled under the mask.
+  `speculative.verifier.spec_eligible`), so every token is sampled under the mask.
 """
 from __future__ import annotations
 

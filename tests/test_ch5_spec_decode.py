@@ -3,7 +3,7 @@
 Oracles: the same engine without speculation (greedy tokens must be
 identical; sampled tokens must have the same distribution), a fresh prefill's
 KV (after rejections the cache must hold exactly what a prefill writes), and
-HF's own greedy continuation of the draft model (the drafter's proposals).
+HF's own greedy continuation of the draft model (the draft-model proposer's drafts).
 """
 import pytest
 import torch
@@ -179,6 +179,34 @@ def test_rejected_drafts_leave_the_same_kv_as_a_fresh_prefill(code_prompts):
     want = _kv_of(fresh, "f", n)
     for layer, (g, w) in enumerate(zip(got, want)):
         assert torch.allclose(g, w, atol=1e-5), f"layer {layer}: KV after rollback differs from a fresh prefill"
+
+
+def test_verification_filters_with_the_engine_sampler():
+    """Drafts are verified under the engine sampler's processing, read from the
+    engine's SamplingMetadata: top-k keeps every token tied with the k-th logit
+    (Chapter 4's own filter keeps exactly k), temperature comes first, and a
+    greedy row gets the plain softmax (only its argmax is read)."""
+    from mini_vllm.sample.metadata import SamplingMetadata
+    from mini_vllm.sample.ops.topk_topp import apply_top_k_top_p
+    from mini_vllm.spec_decode import apply_top_k_top_p as ch4_top_k_top_p
+    from mini_vllm.speculative.verifier import SpecVerifier, compute_probs
+
+    params = [SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=0), SamplingParams(top_p=0.6)]
+    md = SamplingMetadata.from_params(params, [[1]] * 3, [[]] * 3, [None] * 3, [None] * 3, vocab_size=5)
+    row = torch.tensor([3.0, 2.0, 2.0, 0.0, -1.0])  # tokens 1 and 2 tie at the 2nd largest logit
+    logits = row.repeat(5, 1)  # request 0: one draft + bonus, request 1: bonus, request 2: one draft + bonus
+    probs = compute_probs(logits, md, torch.tensor([2, 1, 2]))
+    assert (probs[0] > 0).tolist() == [True, True, True, False, False], "top-k must keep ties with the k-th logit"
+    assert (ch4_top_k_top_p(row[None], torch.tensor([2]), torch.tensor([1.0])) > -1e9).sum() == 2, \
+        "the oracle's premise: Chapter 4's filter breaks the tie"
+    assert torch.allclose(probs[0], (row * 2).masked_fill(row < 2, float("-inf")).softmax(-1)), \
+        "temperature 0.5 scales the logits before the filter"
+    assert torch.allclose(probs[2], row.softmax(-1)), "a greedy row is the plain softmax"
+    want = apply_top_k_top_p(row[None], None, torch.tensor([0.6])).softmax(-1)[0]
+    assert torch.allclose(probs[3], want) and torch.allclose(probs[4], want), "top-p as the engine sampler"
+    greedy = SamplingMetadata.from_params([params[1]], [[1]], [[]], [None], [None], vocab_size=5)
+    assert SpecVerifier("cpu").verify(row.repeat(3, 1), [[0, 1]], greedy) == [[0, 0]], \
+        "greedy verification: accept draft 0 (the argmax), reject draft 1, emit the argmax"
 
 
 @pytest.mark.parametrize("cfg, err, match", [

@@ -11,6 +11,7 @@ back in the pool before the next `schedule()`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,9 +112,13 @@ class EngineCore:
         return res
 
     def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """Hand the runner's proposals to the scheduler (vLLM does this in
-        `update_from_output`); drafts past the last token a request may still
-        emit are dropped, they could never be used."""
+        """Hand the runner's proposals to the scheduler's requests for the next
+        `schedule()`. vLLM does this inside the scheduler's `update_from_output`
+        (`vllm/v1/core/sched/scheduler.py`, from `ModelRunnerOutput.spec_token_ids`);
+        here the engine core does it right after that call, which leaves Chapter
+        3's `update_from_output` (and its exercise) free of proposer output.
+        Drafts past the last token a request may still emit are dropped, they
+        could never be used."""
         for rid, d in drafts.items():
             req = self.scheduler.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
@@ -121,14 +126,12 @@ class EngineCore:
                 req.spec_token_ids = list(d[:max(0, room)])
 
     def spec_decoding_stats(self) -> dict | None:
-        """Acceptance rate and per-position acceptance of verified drafts."""
-        if self.config.speculative is None:
-            return None
-        v = self.executor.worker.model_runner.spec_verifier
-        return {"num_drafts": v.num_drafts, "num_accepted": v.num_accepted,
-                "acceptance_rate": v.num_accepted / v.num_drafts if v.num_drafts else 0.0,
-                "acceptance_per_position": [a / d for a, d in zip(v.accepted_per_position,
-                                                                  v.drafts_per_position)]}
+        """Acceptance rate and per-position acceptance of verified drafts: the
+        fields of `metrics.stats.SpecDecodingStats` as a dict, None without
+        speculative decoding. Every rank verifies; rank 0's counts are the ones
+        behind the tokens the engine emits."""
+        stats = self.executor.collective_rpc("spec_decoding_stats")[0]
+        return None if stats is None else dataclasses.asdict(stats)
 
     def make_stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -81,3 +81,27 @@ class StepStats:
     e2e_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     iteration_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Verified drafts since the engine started (vLLM: `SpecDecodingStats` in
+    `vllm/v1/spec_decode/metrics.py`), counted in draft tokens. Position j
+    counts the verify steps whose request had more than j drafts, so
+    acceptance_per_position[j] = accepted_per_position[j] / drafts_per_position[j]
+    is the chance that the first j + 1 drafts are all accepted. A worker builds
+    it (`Worker.spec_decoding_stats`); plain data, so it crosses process bounds."""
+
+    num_drafts: int = 0              # draft tokens verified
+    num_accepted: int = 0            # of them accepted
+    acceptance_rate: float = 0.0     # num_accepted / num_drafts (0 before any draft)
+    acceptance_per_position: list[float] = field(default_factory=list)
+    drafts_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_counts(cls, num_drafts: int, num_accepted: int, drafts_per_position: list[int],
+                    accepted_per_position: list[int]) -> "SpecDecodingStats":
+        return cls(num_drafts, num_accepted, num_accepted / num_drafts if num_drafts else 0.0,
+                   [a / d for a, d in zip(accepted_per_position, drafts_per_position)],
+                   list(drafts_per_position), list(accepted_per_position))

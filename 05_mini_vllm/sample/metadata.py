@@ -58,6 +58,19 @@ class SamplingMetadata:
     def batch_size(self) -> int:
         return self.temperature.shape[0]
 
+    # The two members Chapter 4's rejection sampler reads besides what its
+    # compute_probs reads, so the engine verifies drafts from this metadata too.
+    @property
+    def is_greedy(self) -> torch.Tensor:
+        """[B] bool: the greedy rows."""
+        return self.temperature == 0.0
+
+    def validate(self, batch_size: int | None = None) -> None:
+        """Raise if the metadata has another number of rows than the batch
+        (`from_params` has already checked every value)."""
+        if batch_size is not None and self.batch_size != batch_size:
+            raise ValueError(f"sampling metadata has {self.batch_size} requests but the batch has {batch_size}")
+
     @classmethod
     def from_params(
         cls,

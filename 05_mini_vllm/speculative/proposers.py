@@ -1,15 +1,23 @@
-"""Draft proposers inside the engine (vLLM: `vllm/v1/spec_decode/ngram_proposer.py`,
-`draft_model.py` / `eagle.py`).
+"""The engine's proposers: Chapter 4's, fed the runner's requests (vLLM:
+`vllm/v1/spec_decode/ngram_proposer.py`, `draft_model.py` / `eagle.py`).
 
-After each step the runner asks a drafter for up to k tokens per request; the
-scheduler schedules them as lookahead slots (Chapter 3) and the next forward
-pass verifies them with Chapter 4's rejection sampler.
+After each step the runner asks its proposer for up to k tokens per request
+(`propose({req_id: confirmed tokens})` -> {req_id: drafts}, and `free(req_id)`
+when a request leaves the batch); the scheduler schedules them as lookahead
+slots (Chapter 3) and the next forward pass verifies them with Chapter 4's
+rejection sampler (`verifier.py`).
+
+`NgramProposer` is Chapter 4's `NgramProposer`. `DraftModelProposer` is
+Chapter 4's `DraftModelProposer` whose next-token model is the draft model
+run incrementally on its own paged KV cache: Chapter 4's loop drives the k
+steps, each call feeds the draft only the tokens it has no KV for.
 
 Drafts are proposed greedily (argmax), as vLLM v1's proposers do, and passed
 to the rejection sampler without draft probabilities: a deterministic
 proposal is a valid draft distribution (one-hot q), so verification stays
 lossless for sampled requests too; only the acceptance rate is lower than
-with sampled drafts.
+with sampled drafts. (So the probabilities Chapter 4's loop returns are
+dropped: they are not the distribution the drafts were drawn from.)
 
 The draft model has its own paged KV cache and its own block tables, managed
 here with Chapter 1's `BlockAllocator` (one list of blocks per request), not
@@ -23,27 +31,30 @@ from __future__ import annotations
 
 import torch
 
+from mini_vllm import spec_decode
 from mini_vllm.forward_context import AttentionMetadata, set_forward_context
 from mini_vllm.paged_attention import BlockAllocator, allocate_kv_cache
-from mini_vllm.spec_decode import propose_ngram
 
 
-class NgramDrafter:
-    def __init__(self, k: int, min_n: int, max_n: int) -> None:
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+class NgramProposer(spec_decode.NgramProposer):
+    """Chapter 4's prompt-lookup proposer, called with the runner's {req_id: tokens}."""
 
     def propose(self, reqs: dict[str, list[int]]) -> dict[str, list[int]]:
-        return {rid: propose_ngram(toks, self.min_n, self.max_n, self.k) for rid, toks in reqs.items()}
+        return dict(zip(reqs, super().propose(list(reqs.values()))))
 
     def free(self, req_id: str) -> None:
-        pass
+        pass  # the lookup keeps nothing per request
 
 
-class DraftModelDrafter:
+class DraftModelProposer(spec_decode.DraftModelProposer):
     def __init__(self, model, model_config, k: int, num_blocks: int, block_size: int, dtype, device) -> None:
-        self.model, self.k, self.bs = model, k, block_size
+        # Chapter 4's loop calls self.model(contexts) once per draft position: here the
+        # draft model (self.draft) run on its own paged KV cache.
+        super().__init__(self._next_token_logits, k)
+        self.draft, self.bs = model, block_size
         self.device = torch.device(device)
         self.max_len = model_config.max_position_embeddings
+        self.vocab_size = model_config.vocab_size
         self.caches = [allocate_kv_cache(num_blocks, block_size, model_config.num_key_value_heads,
                                          model_config.head_dim, dtype, self.device)
                        for _ in range(model_config.num_hidden_layers)]
@@ -52,6 +63,8 @@ class DraftModelDrafter:
         self.allocator = BlockAllocator(num_blocks)
         self.blocks: dict[str, list[int]] = {}
         self.fed: dict[str, list[int]] = {}
+        # The call in progress, one entry per row: (req_id, confirmed tokens, drafts wanted).
+        self._rows: list[tuple[str, int, int]] = []
 
     def free(self, req_id: str) -> None:
         for b in self.blocks.pop(req_id, []):
@@ -67,7 +80,7 @@ class DraftModelDrafter:
         return True
 
     def _forward(self, chunks: list[tuple[str, list[int], int]]) -> torch.Tensor:
-        """chunks: (req_id, tokens, first position); returns the argmax at each chunk's last token."""
+        """chunks: (req_id, tokens, first position); returns the logits at each chunk's last token."""
         ids, pos, slots, q_lens, s_lens, tables = [], [], [], [], [], []
         for rid, toks, start in chunks:
             tab = self.blocks[rid]
@@ -92,41 +105,63 @@ class DraftModelDrafter:
                                torch.tensor(s_lens, dtype=torch.int32, device=dev),
                                max(q_lens), max(s_lens), q_lens, s_lens)
         with set_forward_context(md):
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev))
+            hidden = self.draft(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev))
         last = torch.tensor(cu[1:], device=dev) - 1
-        return self.model.compute_logits(hidden.index_select(0, last)).argmax(-1)
+        return self.draft.compute_logits(hidden.index_select(0, last))
+
+    def _next_token_logits(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Chapter 4's `NextTokenModel`: logits [B, V] at the end of each context.
+
+        Row i feeds the draft only `contexts[i][len(fed):]`, the tokens it has no
+        KV for: the confirmed tokens past the kept prefix on the first call, the
+        previous draft on each later one. A row that already holds its k drafts
+        (k below the configured one near the context limit) runs nothing and
+        gets a zero row, whose token `propose` cuts off."""
+        chunks, live = [], []
+        for i, (ctx, (rid, num_confirmed, k)) in enumerate(zip(contexts, self._rows)):
+            if len(ctx) - num_confirmed >= k:
+                continue
+            fed = self.fed[rid]
+            chunks.append((rid, ctx[len(fed):], len(fed)))
+            fed.extend(ctx[len(fed):])
+            live.append(i)
+        if not chunks:
+            return torch.zeros(len(contexts), self.vocab_size, device=self.device)
+        logits = self._forward(chunks)
+        if len(live) == len(contexts):
+            return logits
+        out = logits.new_zeros(len(contexts), logits.shape[-1])
+        out[torch.tensor(live, device=logits.device)] = logits
+        return out
 
     @torch.inference_mode()
     def propose(self, reqs: dict[str, list[int]]) -> dict[str, list[int]]:
         """reqs: req_id -> confirmed tokens (prompt + output). Returns k drafts each
-        (fewer or none when the context or the draft's KV pool is full)."""
-        chunks, ks = [], {}
+        (fewer near the context limit, none when the draft's KV pool is full)."""
+        rows, contexts = [], []
         for rid, toks in reqs.items():
             k = min(self.k, self.max_len - len(toks))
-            fed = self.fed.get(rid, [])
+            if k < 1 or not self._ensure_blocks(rid, len(toks) + k - 1):
+                continue
+            # Keep the draft KV of the longest common prefix with the confirmed
+            # tokens; the last token is always fed again: its logits give draft 1.
+            fed = self.fed.setdefault(rid, [])
             valid = 0
-            for a, b in zip(fed, toks[:-1]):  # the last token is always fed: we need its logits
+            for a, b in zip(fed, toks[:-1]):
                 if a != b:
                     break
                 valid += 1
-            if k < 1 or not self._ensure_blocks(rid, len(toks) + k - 1):
-                continue
-            self.fed[rid] = list(toks)
-            chunks.append((rid, toks[valid:], valid))
-            ks[rid] = k
-        if not chunks:
+            del fed[valid:]
+            rows.append((rid, len(toks), k))
+            contexts.append(toks)
+        if not rows:
             return {}
-        drafts = {rid: [] for rid, _, _ in chunks}
-        nxt = self._forward(chunks).tolist()
-        live = [rid for rid, _, _ in chunks]
-        for step in range(max(ks.values())):
-            for rid, t in zip(live, nxt):
-                drafts[rid].append(int(t))
-            live = [rid for rid in live if len(drafts[rid]) < ks[rid]]
-            if not live:
-                break
-            dec = [(rid, [drafts[rid][-1]], len(self.fed[rid])) for rid in live]
-            for rid in live:
-                self.fed[rid].append(drafts[rid][-1])
-            nxt = self._forward(dec).tolist()
-        return drafts
+        self._rows = rows
+        try:
+            # Chapter 4's loop reads its own sampling metadata: temperature 0 on
+            # every row, so it takes argmaxes and draws no random numbers.
+            greedy = spec_decode.SamplingMetadata.make([0.0] * len(rows))
+            tokens, _ = super().propose(contexts, greedy)  # k calls of _next_token_logits
+        finally:
+            self._rows = []
+        return {rid: drafts[:k] for (rid, _, k), drafts in zip(rows, tokens.tolist())}

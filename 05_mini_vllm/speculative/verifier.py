@@ -6,26 +6,29 @@ vLLM counterpart: the spec-decode branch of `GPUModelRunner.execute_model`
 
 A request with k scheduled drafts owns k + 1 logits rows (one per draft
 position, then the bonus row). Chapter 4's `RejectionSampler` turns them into
-1..k+1 emitted tokens with the same temperature / top-k / top-p processing the
-plain sampler uses; drafts come without probabilities (greedy proposals).
+1..k+1 emitted tokens. Its probabilities come from `compute_probs` below: the
+engine sampler's temperature and top-k / top-p (`mini_vllm.sample.ops.topk_topp`,
+ties at the k-th logit kept), read from the engine's own `SamplingMetadata`,
+so a request's tokens follow one distribution whether a step verifies drafts
+or samples plainly. Drafts come without probabilities (greedy proposals).
 Which requests may get drafts at all is `spec_eligible`.
 """
 from __future__ import annotations
 
 import torch
 
+from mini_vllm.metrics.stats import SpecDecodingStats
+from mini_vllm.sample.metadata import SamplingMetadata
+from mini_vllm.sample.ops.topk_topp import apply_top_k_top_p
 from mini_vllm.spec_decode import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
-from mini_vllm.spec_decode import SamplingMetadata as SpecSamplingMetadata
-
-_SAMPLING_EPS = 1e-5
 
 
 def spec_eligible(params) -> bool:
-    """Drafts only for requests whose processing Chapter 4's sampler reproduces
-    exactly: no penalties, min_p, min_tokens, logprobs, logit_bias,
-    allowed_token_ids, bad_words or structured outputs, and no seed (a seeded
-    request must give the same tokens with and without speculation, and
-    verification consumes random numbers differently)."""
+    """Drafts only for requests whose processing the verifier reproduces
+    exactly (temperature, top-k, top-p): no penalties, min_p, min_tokens,
+    logprobs, logit_bias, allowed_token_ids, bad_words or structured outputs,
+    and no seed (a seeded request must give the same tokens with and without
+    speculation, and verification consumes random numbers differently)."""
     return (getattr(params, "seed", None) is None and getattr(params, "logprobs", None) is None
             and getattr(params, "min_p", 0.0) == 0.0 and getattr(params, "min_tokens", 0) == 0
             and getattr(params, "presence_penalty", 0.0) == 0.0
@@ -38,21 +41,43 @@ def spec_eligible(params) -> bool:
             and getattr(params, "structured_outputs", None) is None)
 
 
+def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_request=None) -> torch.Tensor:
+    """Chapter 4's `compute_probs` contract with the engine sampler's processing.
+
+    logits [n, V]; rows_per_request [B]: consecutive rows per request (default
+    one each). Returns float32 probabilities [n, V]: temperature, then top-k /
+    top-p as `Sampler` applies them. Greedy rows (temperature 0.0, filters
+    disabled by `SamplingParams`) get the softmax of the raw logits, whose
+    argmax is all that greedy verification reads.
+    """
+    device = logits.device
+    rows = torch.ones(sampling.batch_size, dtype=torch.int64) if rows_per_request is None else rows_per_request
+    rows = torch.as_tensor(rows, dtype=torch.int64).to(device)
+
+    def per_row(t):
+        return None if t is None else t.to(device).repeat_interleave(rows)
+
+    temp = per_row(sampling.temperature)
+    logits = logits.float() / torch.where(temp == 0.0, 1.0, temp).unsqueeze(1)
+    if sampling.top_k is not None or sampling.top_p is not None:
+        logits = apply_top_k_top_p(logits, per_row(sampling.top_k), per_row(sampling.top_p))
+    return logits.softmax(dim=-1)
+
+
 class SpecVerifier:
     def __init__(self, device) -> None:
-        self.sampler = RejectionSampler("triton" if torch.device(device).type == "cuda" else "torch")
+        self.sampler = RejectionSampler("triton" if torch.device(device).type == "cuda" else "torch",
+                                        compute_probs=compute_probs)
         self.num_drafts = 0
         self.num_accepted = 0
         self.accepted_per_position: list[int] = []
         self.drafts_per_position: list[int] = []
 
-    def verify(self, logits: torch.Tensor, drafts: list[list[int]], params: list) -> list[list[int]]:
-        """logits [sum(k_i + 1), V] in request order; returns the emitted tokens per request."""
+    def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingMetadata) -> list[list[int]]:
+        """logits [sum(k_i + 1), V] in request order, `sampling` one row per request;
+        returns the emitted tokens per request."""
         meta = SpecDecodeMetadata.make(drafts, logits.device)
-        temp = [0.0 if p.temperature < _SAMPLING_EPS else float(p.temperature) for p in params]
-        sampling = SpecSamplingMetadata.make(temp, [int(p.top_k) for p in params],
-                                             [float(p.top_p) for p in params])
-        out = self.sampler(meta, None, logits, sampling).tolist()
+        out = self.sampler(meta, None, logits, sampling, sampling.generators).tolist()
         emitted = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out]
         for d, e in zip(drafts, emitted):
             a = len(e) - 1  # accepted drafts; the last token is a recovery or the bonus
@@ -65,3 +90,8 @@ class SpecVerifier:
                 self.drafts_per_position[j] += 1
                 self.accepted_per_position[j] += j < a
         return emitted
+
+    def stats(self) -> SpecDecodingStats:
+        """The counters so far, as the metrics record."""
+        return SpecDecodingStats.from_counts(self.num_drafts, self.num_accepted,
+                                             self.drafts_per_position, self.accepted_per_position)

@@ -36,7 +36,7 @@ from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
                  max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
-                 tokenizer_path: str | None = None, kv_connector=None) -> None:
+                 tokenizer_path: str | None = None, kv_connector=None, proposer=None) -> None:
         self.model, self.model_config = model, model_config
         self.cache_engine = cache_engine
         self.block_size = block_size
@@ -53,7 +53,9 @@ class ModelRunner:
         # (duck-typed, never imported here), else None.
         self.kv_connector = kv_connector
         self.spec_verifier = SpecVerifier(self.device)
-        self.drafter = None  # set by the worker when speculative decoding is on
+        # The speculative proposer (`speculative.proposers`), or None without
+        # speculative decoding: after each step it drafts the next step's tokens.
+        self.proposer = proposer
         # Structured outputs: the tokenizer folder and one grammar per
         # constrained request, built on its first sampling step.
         self.tokenizer_path = tokenizer_path
@@ -66,12 +68,12 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.grammars.pop(rid, None)
             batch.remove_request(rid)
-            if self.drafter is not None:
-                self.drafter.free(rid)
+            if self.proposer is not None:
+                self.proposer.free(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)  # keep the state: a swapped request comes back
-            if self.drafter is not None:
-                self.drafter.free(rid)
+            if self.proposer is not None:
+                self.proposer.free(rid)
         for nr in so.scheduled_new_reqs:
             old = self.requests.get(nr.req_id)
             gen = old.generator if old is not None else self._make_generator(nr.sampling_params)
@@ -187,22 +189,26 @@ class ModelRunner:
                 rids = [req_ids[i] for i in spec]
                 emitted = self.spec_verifier.verify(
                     logits[spec_rows], [so.scheduled_spec_decode_tokens[r] for r in rids],
-                    [self.requests[r].sampling_params for r in rids])
+                    self._sampling_metadata([self.requests[r] for r in rids], logits.device))
                 sampled.update(zip(rids, emitted))
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = self._prompt_logprobs(hidden, req_ids, md) or None
-        if self.drafter is not None:
+        if self.proposer is not None:
             mro.spec_token_ids = self._propose_drafts(sampled)
         return mro
 
-    def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
-        states = [self.requests[r] for r in rids]
-        md_s = SamplingMetadata.from_params(
+    def _sampling_metadata(self, states, device, token_bitmask=None) -> SamplingMetadata:
+        """One row per request state: the same metadata for plain sampling and for
+        verifying drafts, so both apply one temperature / top-k / top-p."""
+        return SamplingMetadata.from_params(
             [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
-            [s.eos_token_id for s in states], self.vocab_size, logits.device,
-            token_bitmask=self._grammar_bitmask(states))
+            [s.eos_token_id for s in states], self.vocab_size, device, token_bitmask=token_bitmask)
+
+    def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
+        states = [self.requests[r] for r in rids]
+        md_s = self._sampling_metadata(states, logits.device, self._grammar_bitmask(states))
         out = self.sampler(logits, md_s)
         toks = out.sampled_token_ids.tolist()
         lp = out.logprobs_tensors
@@ -273,4 +279,4 @@ class ModelRunner:
         """Drafts for the next step, from the tokens known after this one."""
         reqs = {rid: self.requests[rid].token_ids + toks for rid, toks in sampled.items()
                 if toks and spec_eligible(self.requests[rid].sampling_params)}
-        return {r: d for r, d in self.drafter.propose(reqs).items() if d} if reqs else {}
+        return {r: d for r, d in self.proposer.propose(reqs).items() if d} if reqs else {}

@@ -112,20 +112,20 @@ class Worker:
                                         cfg.torch_dtype, self.device)
         if self.kv_connector is not None:  # it reads and writes these tensors in place
             self.kv_connector.register_kv_caches(self.cache_engine.gpu_cache)
+        proposer = (None if cfg.speculative is None
+                    else self._make_proposer(cfg.speculative, num_gpu_blocks))
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device,
                                         logprobs_mode=cfg.logprobs_mode,
                                         tokenizer_path=cfg.tokenizer or cfg.model,
-                                        kv_connector=self.kv_connector)
-        if cfg.speculative is not None:
-            self.model_runner.drafter = self._make_drafter(cfg.speculative, num_gpu_blocks)
+                                        kv_connector=self.kv_connector, proposer=proposer)
 
-    def _make_drafter(self, spec, num_blocks: int):
-        from mini_vllm.speculative.proposers import DraftModelDrafter, NgramDrafter
+    def _make_proposer(self, spec, num_blocks: int):
+        from mini_vllm.speculative.proposers import DraftModelProposer, NgramProposer
 
         if spec.method == "ngram":
-            return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                spec.prompt_lookup_max)
+            return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+                                 k=spec.num_speculative_tokens)
         draft, dcfg = load_model(spec.model, dtype=self.config.torch_dtype, device=self.device)
         if dcfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({dcfg.vocab_size}) must "
@@ -135,7 +135,7 @@ class Worker:
         # token the target holds, plus k lookahead slots and a partial block per request.
         bs, k = self.config.block_size, spec.num_speculative_tokens
         num_blocks += self.config.max_num_seqs * (1 + -(-k // bs))
-        return DraftModelDrafter(draft, dcfg, k, num_blocks, bs, self.config.torch_dtype, self.device)
+        return DraftModelProposer(draft, dcfg, k, num_blocks, bs, self.config.torch_dtype, self.device)
 
     def use_model_runner(self, runner_cls) -> None:
         """Rebuild the runner as `runner_cls` on this worker's model and KV cache
@@ -147,3 +147,10 @@ class Worker:
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
+
+    def spec_decoding_stats(self):
+        """This rank's `metrics.stats.SpecDecodingStats` (None without speculative
+        decoding); the engine core asks for it through `collective_rpc`."""
+        if self.config.speculative is None:
+            return None
+        return self.model_runner.spec_verifier.stats()
