@@ -1,30 +1,44 @@
-"""Beam search on the engine, with beams that fork and free KV blocks.
+"""Beam search as a client of the engine: each round, every live beam is a fresh one-token request.
 
 vLLM counterparts: `vllm/beam_search.py` (BeamSearchParams,
 BeamSearchSequence, BeamSearchOutput, get_beam_search_score) and
-`LLM.beam_search` in `vllm/entrypoints/llm.py`. vLLM v1 re-submits every
-beam as a fresh one-token request each step and lets prefix caching find the
-shared prefix. Here beams share blocks the way the thesis describes (seed 001
-§3.4.4): each live beam is one scheduler request; a beam that survives with
-several continuations FORKS (Chapter 2's copy-on-write `fork`), and a beam
-that is cut is aborted, so its private blocks return to the pool at once.
+`LLM.beam_search` in `vllm/entrypoints/llm.py`, whose design this follows.
 
-One round per generated position, per prompt:
-1. every live beam is scheduled and samples once; its request carries
-   `logprobs = 2 * beam_width`, so the step returns its top-2W log-probs;
-2. the driver takes the sampled token back (`Scheduler.pop_last_token`): the
-   beam is parked, all its tokens computed, and is not scheduled again;
-3. once all live beams of the prompt reported, the candidates (beam, token)
+The search uses only `LLMEngine`'s public request API: `processor` (to
+validate the prompts, all or nothing), `add_request`, `step`,
+`abort_request` and `has_unfinished_requests`. It never touches the engine
+core or the scheduler, which know nothing about beams. One round per
+generated position, per prompt:
+1. every live beam (prompt + its tokens so far) is added as a new request with
+   `max_tokens=1` and `logprobs=2 * beam_width`; the step that completes it
+   returns the top-2W log-probs of the next position (the token it sampled
+   is ignored), and the request finishes by length at once;
+2. once all live beams of the prompt reported, the candidates (beam, token)
    are ranked by score; EOS candidates (unless `ignore_eos`) go to the
-   finished list; the best `beam_width` others live on: a beam keeps its best
-   chosen token (`append_token`), forks one request per further chosen token
-   (`fork_request`) and is aborted when none was chosen.
+   finished list; the best `beam_width` others are the next round's beams,
+   added right away (other prompts' beams may still be running).
 
-Invariants: a prompt has at most `beam_width` live beams; every live beam's
-tokens all have the same length; when the search returns, every request it
-made is finished and its blocks are back in the pool. Scores are
-log_softmax(logits / T) for temperature T > 0 (vLLM v0's processed
-log-probs) and of the raw logits for T = 0.
+Beams share KV blocks through prefix caching (Chapter 2), not through
+forks. A finished request's blocks go back to the pool with their hashes,
+and the next round's requests, which extend those tokens, find every full
+block among them: beams share their common prefix and each round computes
+only each beam's last, partial block (1 to block_size tokens). vLLM v0 and
+the thesis (seed 001 §3.4.4) forked beams copy-on-write inside the
+scheduler; vLLM v1 dropped that for this re-submission, which keeps the
+scheduler free of beam-only code and makes beam search one more client of
+the engine. The costs: up to block_size recomputed tokens per beam and
+round instead of one, and the beams' blocks are shared only while a round's
+requests run together (between rounds they sit in the pool as cached,
+evictable blocks; an evicted prefix is recomputed, with the same result).
+Without prefix caching the search is still exact, but every round
+recomputes every beam.
+
+Invariants: a prompt has at most `beam_width` live beams, all of the same
+length; each request the search adds ends within its round; when the search
+returns (or raises), none of its requests is left in the engine, so every
+KV block is back in the pool. Scores are log_softmax(logits / T) for
+temperature T > 0 (vLLM v0's processed log-probs) and of the raw logits for
+T = 0.
 """
 from __future__ import annotations
 
@@ -32,8 +46,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from mini_vllm.inputs import as_prompt_list
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Request
 
 _ids = itertools.count()
 
@@ -89,164 +103,126 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
 
 
 class _PromptSearch:
-    """The live beams, this round's reports and the finished beams of one prompt."""
+    """One prompt's search: the beams to add next, this round's requests and
+    their reports, and the finished beams."""
 
     def __init__(self, prompt: list[int], params: BeamSearchParams, sp: SamplingParams) -> None:
-        self.params, self.sp = params, sp
-        self.live: dict[str, BeamSearchSequence] = {}
-        self.reports: dict[str, tuple[list[int], list[float]]] = {}
+        self.prompt, self.params, self.sp = prompt, params, sp
+        self.live: list[BeamSearchSequence] = [BeamSearchSequence(list(prompt))]
+        self.pending: dict[str, BeamSearchSequence] = {}  # request id -> its beam, this round
+        self.reports: dict[str, list[tuple[int, float]]] = {}  # request id -> top-2W (token, logprob)
         self.done: list[BeamSearchSequence] = []
-        self.prompt = prompt
-        self.preemptions_at_round = 0
 
 
 def run_beam_search(engine, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
-    """Drive `engine.engine_core` until every prompt's search ends.
+    """Search every prompt on `engine` (an idle `LLMEngine`) until all searches end.
 
     `params` is one BeamSearchParams or a list, one per prompt (benchmarks
-    give each prompt its own max_tokens). `on_step(core)`, if given, runs
-    after every engine step and every selection round (tests and benchmarks
-    watch the KV pool with it).
+    give each prompt its own max_tokens). `on_step(engine)`, if given, runs
+    after every engine step (tests and benchmarks watch the KV pool with it).
     """
-    from mini_vllm.entrypoints.llm import LLM  # its prompt normalisation; llm.py imports this module lazily
-
-    prompts = LLM._as_list(prompts)
+    prompts = as_prompt_list(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in plist):
         raise ValueError(f"params must be a BeamSearchParams or a list of {len(prompts)} "
                          f"(one per prompt), got {params!r:.80}")
-    core, w = engine.engine_core, max((p.beam_width for p in plist), default=1)
+    w = max((p.beam_width for p in plist), default=1)
     max_seqs = engine.config.max_num_seqs
-    if w > max_seqs:
+    if w > max_seqs:  # a round's beams run in one batch; fewer slots would split every round
         raise ValueError(f"beam_width must be <= max_num_seqs ({max_seqs}), got {w}")
-    if engine.has_unfinished_requests():
+    if engine.has_unfinished_requests():  # the search consumes every output of every step
         raise ValueError("beam_search needs an idle engine: finish or abort its requests first")
     vocab = engine.model_config.vocab_size
     if 2 * w > vocab:
         raise ValueError(f"beam_width must be <= vocab_size / 2 = {vocab // 2}, got {w}")
-    sps = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, logprobs=2 * p.beam_width,
-                          ignore_eos=True) for p in plist]
-    toks = [engine.process_inputs(p, sp)[1] for p, sp in zip(prompts, sps)]  # all or nothing
-    for t, p in zip(toks, plist):  # every beam runs max_tokens steps: they must fit the context
+    # One token per request; the text of a beam is decoded once, at the end.
+    sps = [SamplingParams(max_tokens=1, temperature=p.temperature, logprobs=2 * p.beam_width,
+                          ignore_eos=True, detokenize=False) for p in plist]
+    toks = [engine.processor.process_inputs("beam-check", p, sp).prompt_token_ids
+            for p, sp in zip(prompts, sps)]  # all or nothing
+    block_size, n_blocks = engine.config.block_size, engine.num_gpu_blocks
+    for t, p in zip(toks, plist):  # a beam grows to prompt + max_tokens: it must fit the context and the pool
         if len(t) + p.max_tokens > engine.max_model_len:
             raise ValueError(f"max_tokens must be <= max_model_len - prompt length = "
                              f"{engine.max_model_len - len(t)}, got {p.max_tokens}")
+        if -(-(len(t) + p.max_tokens) // block_size) > n_blocks:
+            raise ValueError(f"the KV cache ({n_blocks} blocks of {block_size} tokens) is too small for "
+                             f"a beam of {len(t) + p.max_tokens} tokens (prompt + max_tokens); give it "
+                             f"more KV blocks or use a smaller max_tokens")
     eos = engine.eos_token_id
-    sched = core.scheduler
-    searches: dict[str, _PromptSearch] = {}  # request id -> its prompt's search
-    all_searches = [_PromptSearch(t, p, sp) for t, p, sp in zip(toks, plist, sps)]
-    # Prompts at a time: all their beams fit in max_num_seqs, so forks need not wait.
-    todo, active = list(all_searches), []
-    limit = max(1, max_seqs // w)
+    searches = [_PromptSearch(t, p, sp) for t, p, sp in zip(toks, plist, sps)]
+    owner: dict[str, _PromptSearch] = {}  # request id in the engine -> its prompt's search
     try:
-        while todo or active:
-            while todo and len(active) < limit:
-                s = todo.pop(0)
-                rid = f"beam-{next(_ids)}"
-                core.add_request(Request(rid, s.prompt, s.sp, eos_token_id=eos))
-                s.live[rid] = BeamSearchSequence(list(s.prompt))
-                searches[rid] = s
-                active.append(s)
-                s.preemptions_at_round = sched.num_preemptions
-            before = _progress(sched)
-            for out in core.step().outputs:
-                s = searches.get(out.request_id)
-                if s is None or not out.new_token_ids:
+        for s in searches:
+            _add_round(engine, s, owner)
+        while owner:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine has no request left but {len(owner)} beams never reported")
+            for out in engine.step():
+                s = owner.get(out.request_id)
+                if s is None or not out.finished:
                     continue
-                if not out.finished:
-                    sched.pop_last_token(out.request_id)  # park the beam
-                if out.request_id in s.reports:
-                    continue  # recomputed after a preemption: same logits, already known
-                ids, lps, _rank = out.logprobs[0]
-                s.reports[out.request_id] = (ids[1:], lps[1:])  # [0] is the sampled token
-            rounds = 0
-            for s in active:
-                if len(s.reports) == len(s.live):
-                    _select(s, s.params, eos, core, searches)
-                    s.preemptions_at_round = sched.num_preemptions
-                    rounds += 1
-                elif sched.num_preemptions - s.preemptions_at_round > 4 * w * limit:
-                    _too_small(core, w, "beams keep preempting each other")
-            if not rounds and _progress(sched) == before:
-                # Stuck: parked beams hold blocks and are never scheduled, so nothing
-                # preempts them for a waiting beam. Restart the newest prompt later,
-                # with one prompt fewer at a time; a single prompt that does not fit fails.
-                if len(active) == 1:
-                    _too_small(core, w, "a waiting beam cannot get blocks while the parked ones hold them")
-                victim = active.pop()
-                core.abort_requests([r for r in victim.live if r in sched.requests])
-                for r in victim.live:
-                    searches.pop(r, None)
-                victim.__init__(victim.prompt, victim.params, victim.sp)
-                todo.insert(0, victim)
-                limit = len(active)
-            active = [s for s in active if s.live]
+                del owner[out.request_id]
+                s.reports[out.request_id] = _top_logprobs(out, 2 * s.params.beam_width)
+                if len(s.reports) == len(s.pending):  # the prompt's round is complete
+                    _select(s, eos)
+                    _add_round(engine, s, owner)
             if on_step is not None:
-                on_step(core)
+                on_step(engine)
     finally:  # an exception must not leave beams holding blocks
-        left = [r for r in searches if r in sched.requests]
-        if left:
-            core.abort_requests(left)
-    return [_result(s, s.params, eos, engine.get_tokenizer()) for s in all_searches]
+        if owner:
+            engine.abort_request(list(owner))
+    return [_result(s, eos, engine.get_tokenizer()) for s in searches]
 
 
-def _progress(sched) -> tuple[int, int]:
-    return sum(r.num_computed_tokens for r in sched.requests.values()), sched.num_preemptions
+def _add_round(engine, s: _PromptSearch, owner: dict) -> None:
+    """Add each live beam of `s` as a one-token request (its full blocks are prefix hits)."""
+    for beam in s.live:
+        rid = f"beam-{next(_ids)}"
+        engine.add_request(rid, {"prompt_token_ids": beam.tokens}, s.sp, output_kind="final_only")
+        s.pending[rid] = beam
+        owner[rid] = s
+    s.live = []
 
 
-def _too_small(core, w: int, why: str):
-    raise ValueError(f"the KV cache ({core.num_gpu_blocks} blocks) is too small for beam_width={w}: "
-                     f"{why}; give it more KV blocks or use a smaller beam_width")
+def _top_logprobs(out, k: int) -> list[tuple[int, float]]:
+    """The top-k (token, logprob) of the one position the request sampled, best first.
+
+    The output's logprobs dict holds the sampled token first, then the top k
+    (vLLM's layout); a sampled token outside the top k (temperature > 0) is
+    dropped, so every beam offers exactly k candidates. (vLLM's own
+    `LLM.beam_search` keeps it as an extra candidate.)"""
+    entries = list(out.outputs[0].logprobs[0].items())
+    if len(entries) > k:
+        entries = entries[1:]
+    return sorted(((tok, lp.logprob) for tok, lp in entries), key=lambda e: e[1], reverse=True)
 
 
-def _select(s: _PromptSearch, params: BeamSearchParams, eos, core, searches) -> None:
-    """One round: rank every (beam, token) candidate, fork, keep and cut beams."""
+def _select(s: _PromptSearch, eos) -> None:
+    """One round: rank every (beam, token) candidate; keep the best beam_width."""
+    params = s.params
     cands = []
-    for rid, beam in s.live.items():
-        ids, lps = s.reports[rid]
-        for tok, lp in zip(ids, lps):
+    for rid, beam in s.pending.items():
+        for tok, lp in s.reports[rid]:
             new = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [lp], beam.cum_logprob + lp)
             if tok == eos and not params.ignore_eos:
                 new.finish_reason = "stop"
                 s.done.append(new)
             else:
-                cands.append((rid, tok, new))
-    key = lambda c: get_beam_search_score(c[2].tokens, c[2].cum_logprob, eos, params.length_penalty)
+                cands.append(new)
+    key = lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos, params.length_penalty)
     chosen = sorted(cands, key=key, reverse=True)[:params.beam_width]
-    last_round = len(s.live[next(iter(s.live))].tokens) - len(s.prompt) + 1 >= params.max_tokens
-    old, s.live, s.reports = s.live, {}, {}
-    sched = core.scheduler
-    if last_round:  # the scheduler finished the beams by length already
-        for _rid, _tok, new in chosen:
-            new.finish_reason = "length"
-            s.done.append(new)
-        gone = [r for r in old if r in sched.requests]
+    s.pending, s.reports = {}, {}
+    if chosen and len(chosen[0].tokens) - len(s.prompt) >= params.max_tokens:  # the last round
+        for b in chosen:
+            b.finish_reason = "length"
+        s.done.extend(chosen)
     else:
-        kept: set[str] = set()
-        gone = [r for r in old if all(c[0] != r for c in chosen)]
-        core.abort_requests(gone)  # cut beams: their private blocks are free now
-        keep = []
-        for rid, tok, new in chosen:  # forks first: a parent must still be parked
-            if rid not in kept:
-                kept.add(rid)
-                keep.append((rid, tok, new))
-            else:
-                child = f"beam-{next(_ids)}"
-                sched.fork_request(rid, child, tok)
-                s.live[child] = new
-                searches[child] = s
-        for rid, tok, new in keep:
-            sched.append_token(rid, tok)
-            s.live[rid] = new
-        gone = []
-    if gone:
-        core.abort_requests(gone)
-    for r in old:
-        if r not in s.live:
-            searches.pop(r, None)
+        s.live = chosen
 
 
-def _result(s: _PromptSearch, params: BeamSearchParams, eos, tokenizer) -> BeamSearchOutput:
+def _result(s: _PromptSearch, eos, tokenizer) -> BeamSearchOutput:
+    params = s.params
     ranked = sorted(s.done, key=lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos,
                                                                 params.length_penalty), reverse=True)
     best = ranked[:params.beam_width]

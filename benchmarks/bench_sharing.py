@@ -7,13 +7,16 @@ sharing blocks: parallel sampling 6.1-9.8% (Alpaca) and 16.2-30.5%
 Here: the tiny target (1,024-token context) serves requests whose prompt and
 output lengths follow Chapter 1's synthetic ShareGPT-like and Alpaca-like
 traces (`mini_vllm.paged_attention.waste.synthetic_trace`, clipped to the
-context), with prompts cut from the standard library. After every engine
-step we count the distinct KV blocks in use and the blocks the same
-sequences would hold without sharing (the sum of their block-table lengths);
-saving = 1 - Σ distinct / Σ unshared over the run. Parallel sampling shares
-the prompt (the scheduler's `fork_children`); beam search shares every
-common prefix (beams fork and are cut, 05_mini_vllm/beam_search.py). Prefix
-caching is off, so forks are the only source of sharing.
+context), with prompts cut from the standard library. After every
+`schedule()` (the blocks a step runs with) we count the distinct KV blocks in
+use and the blocks the same sequences would hold without sharing (the sum of
+their block-table lengths); saving = 1 - Σ distinct / Σ unshared over the
+run. Parallel sampling shares the prompt (the scheduler's `fork_children`
+forks it copy-on-write); prefix caching is off there, so forks are the only
+source of sharing. Beam search shares every common prefix of its beams
+through prefix caching (05_mini_vllm/beam_search.py re-submits each live beam
+every round, as vLLM v1 does, and the round's requests hit the same cached
+blocks), so prefix caching is on for it.
 
 Run: .venv/bin/python benchmarks/bench_sharing.py [--requests 16] [--threads 1]
 """
@@ -50,10 +53,21 @@ def workload(dataset: str, n: int, stream: list[int], seed: int = 0):
 
 
 class Meter:
-    """Σ distinct blocks and Σ unshared blocks, sampled after every step."""
+    """Σ distinct blocks and Σ unshared blocks, sampled after every `schedule()`
+    of `core`'s scheduler, while the step's requests hold their blocks (after
+    the step, beam search's one-token requests have finished and hold none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, core) -> None:
         self.distinct = self.unshared = self.peak = self.steps = 0
+        sched, real = core.scheduler, core.scheduler.schedule
+
+        def schedule():
+            so = real()
+            self(core)
+            return so
+
+        sched.schedule = schedule
+        self.detach = lambda: sched.__dict__.pop("schedule", None)
 
     def __call__(self, core) -> None:
         kv = core.scheduler.kv_cache_manager
@@ -68,27 +82,29 @@ class Meter:
         return 1.0 - self.distinct / self.unshared if self.unshared else 0.0
 
 
-def make_llm(max_seqs: int) -> LLM:
+def make_llm(max_seqs: int, prefix_caching: bool = False) -> LLM:
     return LLM(str(model_path("tiny-py-target")), dtype="float32", device="cpu",
-               enable_prefix_caching=False, max_num_seqs=max_seqs,
+               enable_prefix_caching=prefix_caching, max_num_seqs=max_seqs,
                kv_cache_memory_bytes=320 << 20)
 
 
 def run_parallel(llm: LLM, reqs, n: int) -> Meter:
-    eng, meter = llm.llm_engine, Meter()
+    eng = llm.llm_engine
+    meter = Meter(eng.engine_core)
     for i, (prompt, out_len) in enumerate(reqs):
         sp = SamplingParams(n=n, max_tokens=out_len, temperature=1.0, seed=i, ignore_eos=True)
         eng.add_request(f"p{n}-{i}", {"prompt_token_ids": prompt}, sp)
     while eng.has_unfinished_requests():
         eng.step()
-        meter(eng.engine_core)
+    meter.detach()
     return meter
 
 
 def run_beam(llm: LLM, reqs, width: int) -> Meter:
-    meter = Meter()
+    meter = Meter(llm.llm_engine.engine_core)
     params = [BeamSearchParams(beam_width=width, max_tokens=o, ignore_eos=True) for _, o in reqs]
-    run_beam_search(llm.llm_engine, [{"prompt_token_ids": p} for p, _ in reqs], params, on_step=meter)
+    run_beam_search(llm.llm_engine, [{"prompt_token_ids": p} for p, _ in reqs], params)
+    meter.detach()
     return meter
 
 
@@ -100,7 +116,7 @@ def measure(n_requests: int, datasets=("Alpaca", "ShareGPT"), seed: int = 0, wid
         reqs = workload(dataset, n_requests, stream, seed)
         for method, run in (("parallel", run_parallel), ("beam", run_beam)):
             for k in widths:
-                llm = make_llm(max_seqs=k * n_requests)
+                llm = make_llm(max_seqs=k * n_requests, prefix_caching=method == "beam")
                 t = time.perf_counter()
                 m = run(llm, reqs, k)
                 assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_free_blocks == \

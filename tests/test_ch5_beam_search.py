@@ -9,10 +9,13 @@
   prompt + output) that recomputes every sequence from scratch with HF's model:
   all W returned beams and their scores, with EOS and length penalties.
 
-Memory: beams fork and free through copy-on-write; at every step the blocks in
-use are exactly the union of the live beams' block tables, a cut beam's
-private blocks are free right after its abort, the peak is far below W
-unshared sequences, and every block is back at the end.
+Memory: each round re-submits every live beam as a one-token request, and
+prefix caching finds the beams' common prefix (vLLM v1's design). While a
+round runs, the blocks in use are exactly the union of its requests' block
+tables with shared prefix blocks counted once, the peak is far below W
+unshared sequences, each request computes only its last partial block, a
+finished round holds no block, and every block is back at the end. The
+search touches only LLMEngine's public request API.
 """
 from __future__ import annotations
 
@@ -199,91 +202,105 @@ def _long_prompt(tok, n=200) -> list[int]:
     return tok(textwrap.dedent(inspect.getsource(collections.OrderedDict)))["input_ids"][:n]
 
 
-def _check_tables(core, log, forks) -> None:
-    """Blocks in use == union of the live requests' tables, ref counts == sharers;
-    a beam forked in this round holds exactly its parent's blocks."""
+def _check_tables(core, log=None) -> None:
+    """Blocks in use == union of the live requests' tables, ref counts == sharers."""
     kv, sched = core.scheduler.kv_cache_manager, core.scheduler
-    for r in sched.requests.values():
-        if r.parent_request_id is not None and r.num_tokens_sent is None:
-            assert kv.get_block_ids(r.request_id) == kv.get_block_ids(r.parent_request_id), \
-                "a forked beam must share its parent's blocks, not recompute into new ones"
-            forks.add(r.request_id)
     tables = [kv.get_block_ids(r) for r in sched.requests]
     sharers: dict[int, int] = {}
     for t in tables:
         for b in t:
             sharers[b] = sharers.get(b, 0) + 1
     in_use = {b.block_id: b.ref_cnt for b in kv.block_pool.blocks if b.ref_cnt > 0}
-    assert in_use == sharers, "a block is held by no live beam (leak) or its ref count is off"
-    log.append((len(sharers), sum(len(t) for t in tables)))
+    assert in_use == sharers, "a block is held by no live beam request (leak) or its ref count is off"
+    if log is not None:
+        log.append((len(sharers), sum(len(t) for t in tables)))
 
 
-def test_forks_share_blocks_and_cut_beams_free_theirs_at_once(target_llm):
+def test_beams_share_prefix_blocks_through_prefix_caching(target_llm):
     llm, w, n, bs = target_llm, 4, 24, 16
     core = llm.llm_engine.engine_core
-    kv = core.scheduler.kv_cache_manager
     prompt = _long_prompt(llm.get_tokenizer())
-    log, cuts, forks, scheduled = [], [], set(), []
-    real_abort, real_schedule = core.abort_requests, core.scheduler.schedule
+    log, scheduled = [], []
+    real_schedule = core.scheduler.schedule
 
-    def counted_schedule():
+    def watched_schedule():  # while a round runs: its requests hold their blocks
         so = real_schedule()
         scheduled.append(so.total_num_scheduled_tokens)
+        _check_tables(core, log)
         return so
 
-    def watched_abort(ids):
-        ids = list(ids)
-        held = {b for r in core.scheduler.requests if r not in ids for b in kv.get_block_ids(r)}
-        private = {b for r in ids for b in kv.get_block_ids(r)} - held
-        free_before = kv.num_free_blocks
-        real_abort(ids)
-        assert all(kv.block_pool.blocks[b].ref_cnt == 0 for b in private), \
-            "a cut beam's private block is still held after its abort"
-        assert kv.num_free_blocks == free_before + len(private), \
-            "the free-block count must rise by exactly the cut beams' private blocks"
-        cuts.append(len(private))
-
-    core.abort_requests, core.scheduler.schedule = watched_abort, counted_schedule
+    core.scheduler.schedule = watched_schedule
     try:
+        # After every step the finished round's requests hold nothing: only unfinished ones own blocks.
         (out,) = run_beam_search(llm.llm_engine, [prompt], BeamSearchParams(w, n, ignore_eos=True),
-                                 on_step=lambda c: _check_tables(c, log, forks))
+                                 on_step=lambda eng: _check_tables(eng.engine_core))
     finally:
-        del core.abort_requests, core.scheduler.schedule
-    assert len(forks) >= w - 1, "setup: the search should fork beams"
-    assert sum(scheduled) <= len(prompt) + w * (n - 1), \
-        "beams recomputed tokens: forks must inherit the parent's computed KV, one new token per round"
-    assert sum(cuts) > 0, "setup: some cut beam should have owned private blocks"
+        del core.scheduler.schedule
+    # Round r re-submits W beams of len(prompt) + r tokens; prefix caching gives each all but
+    # its last partial block (the block holding the last token is never a hit).
+    tail = lambda length: length - bs * ((length - 1) // bs)
+    bound = len(prompt) + sum(w * tail(len(prompt) + r) for r in range(1, n))
+    assert sum(scheduled) <= bound, \
+        "beams recomputed full blocks: a re-submitted beam must find its prefix in the prefix cache"
     unshared_w = w * -(-(len(prompt) + n) // bs)  # W sequences with their own copies
     peak = max(u for u, _ in log)
     assert peak <= 0.5 * unshared_w, f"peak {peak} blocks: beams do not share the prompt (W copies = {unshared_w})"
-    assert all(u < t for u, t in log[1:] if t > -(-len(prompt) // bs) + 1), \
-        "with several beams alive, distinct blocks must be fewer than the tables' total"
+    assert all(u < t for u, t in log if t > -(-len(prompt) // bs) + 1), \
+        "with several beams in a round, distinct blocks must be fewer than the tables' total"
     assert len(out.sequences) == w
     assert_pool_full(llm)
 
 
+class _PublicEngine:
+    """Only LLMEngine's public request API and configuration; no engine core."""
+
+    def __init__(self, engine) -> None:
+        self._e = engine
+        for name in ("add_request", "step", "abort_request", "has_unfinished_requests", "get_tokenizer",
+                     "processor", "config", "model_config", "max_model_len", "num_gpu_blocks",
+                     "eos_token_id"):
+            setattr(self, name, getattr(engine, name))
+
+
+def test_search_is_a_client_of_the_engine(target_llm):
+    prompts = [{"prompt_token_ids": p} for p in _code_prompts(target_llm.get_tokenizer())[:2]]
+    params = BeamSearchParams(3, 6, ignore_eos=True)
+    want = [[s.tokens for s in o.sequences] for o in target_llm.beam_search(prompts, params)]
+    got = run_beam_search(_PublicEngine(target_llm.llm_engine), prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in got] == want, \
+        "beam search must run on LLMEngine's public API alone (no engine core, no scheduler)"
+    assert_pool_full(target_llm)
+
+
 def test_constrained_engine_gives_the_same_beams(target_llm):
-    """Forks that must wait (max_num_seqs), chunked prefill and preemption under a
-    small pool change the schedule, never the result, and leak nothing."""
+    """Beams that wait for max_num_seqs, chunked prefill and a pool too small to
+    keep the beams' prefixes cached change the schedule, never the result, and
+    leak nothing."""
     tok = target_llm.get_tokenizer()
     prompts = [{"prompt_token_ids": p} for p in _code_prompts(tok) + [_long_prompt(tok, 120)]]
     params = BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True)
+    roomy = target_llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    q0, h0 = roomy.queries, roomy.hits
     want = [[s.tokens for s in o.sequences] for o in target_llm.beam_search(prompts, params)]
-    small = make_llm(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=18)
+    roomy_hit_rate = (roomy.hits - h0) / (roomy.queries - q0)
+    # 12 blocks: one 140-token beam (9 blocks) fits, the 120-token prompt's 4 beams at once do not.
+    small = make_llm(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=12)
     got = [[s.tokens for s in o.sequences] for o in small.beam_search(prompts, params)]
-    assert got == want, "scheduling pressure changed the beams: a fork of a preempted beam or a restart lost state"
-    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0, "setup: the small pool should preempt"
+    assert got == want, "scheduling pressure changed the beams: an evicted or waiting beam lost state"
+    st = small.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    assert st.hits / st.queries < roomy_hit_rate, \
+        "setup: the small pool should evict the beams' cached prefixes, so that they are recomputed"
     assert_pool_full(small)
-    # 14 blocks cannot hold the 120-token prompt's 4 beams at once: a clear error, not a hang.
-    tiny = make_llm(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=14)
-    with pytest.raises(ValueError, match="too small for beam_width=4"):
+    # 8 blocks of 16 tokens cannot hold one 140-token beam (120 + 20): a clear error before any step.
+    tiny = make_llm(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=8)
+    with pytest.raises(ValueError, match="too small for a beam of 140 tokens"):
         tiny.beam_search(prompts, params)
     assert_pool_full(tiny)
 
 
 def test_temperature_one_scores_like_greedy(target_llm):
     # log_softmax(logits / 1) == log_softmax(logits): same beams, though the sampled
-    # tokens (which the search takes back) are now random.
+    # tokens (which the search ignores) are now random.
     prompts = [{"prompt_token_ids": p} for p in _code_prompts(target_llm.get_tokenizer())[:2]]
     a = target_llm.beam_search(prompts, BeamSearchParams(3, 8, ignore_eos=True))
     b = target_llm.beam_search(prompts, BeamSearchParams(3, 8, ignore_eos=True, temperature=1.0))
@@ -309,9 +326,4 @@ def test_bad_calls_raise_and_leave_the_engine_idle(target_llm):
         target_llm.beam_search([[5, 6, 7]], {"beam_width": 2})
     with pytest.raises(ValueError, match="max_tokens"):  # all prompts checked before any starts
         target_llm.beam_search([[5, 6, 7], [5] * 1020], BeamSearchParams(2, 8))
-    sched = target_llm.llm_engine.engine_core.scheduler
-    with pytest.raises(ValueError, match="parent_id"):
-        sched.fork_request("nope", "child", 3)
-    with pytest.raises(ValueError, match="take back"):
-        sched.pop_last_token("nope")
     assert_pool_full(target_llm)

@@ -64,6 +64,41 @@ def test_bad_request_in_a_batch_adds_nothing(llm):
     assert_pool_full(llm)
 
 
+def test_batch_the_engine_core_refuses_adds_nothing():
+    # Valid for the processor (shorter than max_model_len), too large for a 4-block pool:
+    # the scheduler refuses the second request after the first was added.
+    small = make_llm(block_size=8, max_model_len=128, num_gpu_blocks_override=4)
+    with pytest.raises(ValueError, match="could never run"):
+        small.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 60))}],
+                       SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not small.llm_engine.has_unfinished_requests(), "a refused batch left its first request behind"
+    assert_pool_full(small)
+
+
+def test_processed_request_is_added_as_it_is(llm):
+    eng = llm.llm_engine
+    req = eng.processor.process_inputs("p", "def f(x):", SamplingParams(max_tokens=500, temperature=0))
+    assert req.prompt == "def f(x):" and req.sampling_params.max_tokens == 128 - len(req.prompt_token_ids), \
+        "the processor returns the text, its tokens and final params (max_tokens capped to the context)"
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("other", req)
+    with pytest.raises(ValueError, match="params must be None"):
+        eng.add_request("p", req, SamplingParams(max_tokens=3))
+    calls = []
+    real = eng.processor.process_inputs
+    eng.processor.process_inputs = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        eng.add_request("p", req)
+    finally:
+        del eng.processor.process_inputs
+    assert not calls, "a processed request must not be validated (or tokenized) again"
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.prompt for o in outs] == ["def f(x):"] and outs[0].prompt_token_ids == req.prompt_token_ids
+    assert_pool_full(llm)
+
+
 def test_bad_request_mid_flight_does_not_disturb_others(llm):
     eng = llm.llm_engine
     p = [11, 12, 13, 14, 15, 16, 17, 18, 19]

@@ -6,8 +6,8 @@ ZeroMQ; here it runs inline, which keeps one step readable end to end:
 
     schedule() -> execute_model(scheduler_output) -> update_from_output()
 
-Invariant: after `abort_requests` or a finished request, its KV blocks are
-back in the pool before the next `schedule()`.
+Invariant: after `abort_requests` / `finish_requests` or a finished request,
+its KV blocks are back in the pool before the next `schedule()`.
 """
 from __future__ import annotations
 
@@ -68,11 +68,16 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        """The client's aborts (vLLM's `EngineCore.abort_requests`)."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_stopped(self, request_ids) -> None:
-        """Requests that the detokenizer stopped (a stop string)."""
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish requests that were decided outside the scheduler: aborts, and
+        the stop strings the detokenizer found (`LLMEngine.step` passes them
+        with FINISHED_STOPPED). Their blocks are free before the next
+        `schedule()`. Stop tokens, max_tokens and the length limit never come
+        here: the scheduler decides those itself in `update_from_output`."""
+        self.scheduler.finish_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

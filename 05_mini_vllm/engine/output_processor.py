@@ -10,6 +10,13 @@ n > 1 one `_Sample` per sibling. Output kinds (vLLM's `RequestOutputKind`):
 "final_only" (one output when the request finishes; `LLM.generate` uses it).
 Invariant: a request's `finished` output is produced exactly once, and its
 state is dropped right after.
+
+Where a request finishes: stop tokens, max_tokens and length are decided in
+the scheduler (`update_from_output`), which reports them as a finish reason
+here; stop strings in the detokenizer, which `process_outputs` reports (the
+core ids it returns) to LLMEngine.step, which finishes them in the engine core
+before the next schedule. This module never calls the engine core itself
+(vLLM: `OutputProcessorOutput.reqs_to_abort`).
 """
 from __future__ import annotations
 
@@ -94,11 +101,14 @@ class OutputProcessor:
                 hit[0].metrics.first_scheduled_time = now
 
     def process_outputs(self, core_outputs, now: float | None = None):
-        """Returns (request outputs, core ids stopped by a stop string, IterationStats)."""
+        """Returns (request outputs, core ids stopped by a stop string, IterationStats).
+
+        The stopped ids are still running in the engine core: the caller
+        (`LLMEngine.step`) must finish them there before the next schedule."""
         now = time.monotonic() if now is None else now
         it = IterationStats()
         touched: dict[str, RequestState] = {}
-        to_finish: list[str] = []
+        stopped: list[str] = []  # vLLM's reqs_to_abort
         for o in core_outputs:
             hit = self._by_core_id.get(o.request_id)
             if hit is None:
@@ -120,7 +130,7 @@ class OutputProcessor:
             hit_str = smp.detok.update(o.new_token_ids, stop_terminated=stop_tok)
             if hit_str is not None:  # a stop string wins over the length cap
                 if reason is None:
-                    to_finish.append(o.request_id)  # the core must free its blocks
+                    stopped.append(o.request_id)  # the core must free its blocks
                 reason, smp.stop_reason = "stop", hit_str
             smp.finish_reason = reason
             touched[st.request_id] = st
@@ -133,7 +143,7 @@ class OutputProcessor:
             ro = self._make_output(st)
             if ro is not None:
                 outs.append(ro)
-        return outs, to_finish, it
+        return outs, stopped, it
 
     def _timing(self, st, smp, n_new, now, it) -> None:
         if n_new == 0:

@@ -3,16 +3,19 @@
 vLLM counterpart: `vllm/entrypoints/llm.py` (`LLM.generate`, `LLM.chat`,
 `_validate_and_add_requests`, `_run_engine` with its tqdm bar).
 
-All requests of one call are validated before any is added, so a bad prompt
-raises without leaving half a batch inside the engine. Outputs come back in
-the order of the prompts.
+All requests of one call are validated (`LLMEngine.processor`) before any is
+added, so a bad prompt raises without leaving half a batch inside the engine;
+the validated requests are then added as they are, tokenized once. Outputs
+come back in the order of the prompts.
 """
 from __future__ import annotations
 
 import itertools
 import time
 
+from mini_vllm.beam_search import run_beam_search
 from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.inputs import as_prompt_list
 from mini_vllm.sampling_params import SamplingParams
 
 
@@ -32,15 +35,6 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
-    @staticmethod
-    def _as_list(prompts) -> list:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [prompts]  # one prompt given as token ids
-        return prompts
-
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without sampling_params: SamplingParams' defaults,
         overridden by the checkpoint's generation_config.json (vLLM's
@@ -48,7 +42,7 @@ class LLM:
         return SamplingParams(**self.llm_engine.default_sampling_params)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None):
-        prompts = self._as_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -59,20 +53,25 @@ class LLM:
                 raise ValueError(f"sampling_params must be one SamplingParams or a list of "
                                  f"{len(prompts)} (one per prompt), got {len(params)}")
         eng = self.llm_engine
-        checked = [eng.process_inputs(p, sp) for p, sp in zip(prompts, params)]  # all or nothing
+        # All or nothing: every prompt is validated (and tokenized, once) before any is added.
+        requests = [eng.processor.process_inputs(str(next(self._counter)), p, sp,
+                                                 priority=0 if priority is None else priority[i])
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
         ids = []
-        for i, (text, toks, sp) in enumerate(checked):
-            rid = str(next(self._counter))
-            prompt = {"prompt_token_ids": toks} if text is None else text
-            eng.add_request(rid, prompt, sp, priority=0 if priority is None else priority[i],
-                            output_kind="final_only")
-            ids.append(rid)
+        try:
+            for req in requests:
+                eng.add_request(req.request_id, req, output_kind="final_only")
+                ids.append(req.request_id)
+        except BaseException:
+            eng.abort_request(ids)  # the core may still refuse one (larger than the KV cache)
+            raise
         return self._run_engine(ids, use_tqdm)
 
     def beam_search(self, prompts, params, use_tqdm: bool = False):
-        """Beam search (vLLM's `LLM.beam_search`); beams share KV blocks
-        copy-on-write. Returns one BeamSearchOutput per prompt, best first."""
-        from mini_vllm.beam_search import run_beam_search
+        """Beam search (vLLM's `LLM.beam_search`): each round re-submits every live
+        beam as a one-token request, and prefix caching shares their common
+        prefix (`mini_vllm/beam_search.py`). Returns one BeamSearchOutput per
+        prompt, best first."""
         return run_beam_search(self.llm_engine, prompts, params)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template=None,
