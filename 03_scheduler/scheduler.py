@@ -242,57 +242,6 @@ class Scheduler:
                 child.status = RequestStatus.WAITING
                 self.waiting.append(child)
 
-    # ------------------------------------------------- beam search (seed 001 §3.4.4)
-    def pop_last_token(self, request_id: str) -> int:
-        """Take back a request's last sampled token before anything used it.
-
-        Beam search parks a beam this way: with every token computed, the
-        scheduler gives it Δ = 0 (it keeps its blocks but is not scheduled)
-        until the search appends the token it chose. The token was never
-        hashed (hashes cover computed tokens) nor sent to the runner.
-        """
-        req = self.requests.get(request_id)
-        if req is None or req.num_output_tokens == 0 or req.num_computed_tokens >= req.num_tokens \
-                or (req.num_tokens_sent or 0) >= req.num_tokens:
-            raise ValueError(f"request {request_id!r} has no sampled, not yet computed token to take back")
-        req._all_token_ids.pop()
-        return req._output_token_ids.pop()
-
-    def append_token(self, request_id: str, token_id: int) -> None:
-        """Give a parked request its next token (the runner learns it when scheduled)."""
-        self.requests[request_id].append_output_token_ids(int(token_id))
-
-    def fork_request(self, parent_id: str, child_id: str, token_id: int) -> Request:
-        """A new request = the parent's tokens + `token_id`, sharing every KV
-        block of the parent copy-on-write (the first write into a shared
-        partial block copies it). The parent must be parked (all its tokens
-        computed); the child is RUNNING at once, or WAITING (no sharing, it
-        recomputes) when `max_num_seqs` are running or the parent is not.
-        """
-        parent = self.requests.get(parent_id)
-        if parent is None:
-            raise ValueError(f"parent_id {parent_id!r} is not an unfinished request")
-        if child_id in self.requests:
-            raise ValueError(f"child_id {child_id!r} is already in the scheduler")
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params,
-                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                        priority=parent.priority, cache_salt=parent.cache_salt)
-        child.append_output_token_ids(parent.output_token_ids + [int(token_id)])
-        child.parent_request_id, child.forked = parent_id, True
-        self.requests[child_id] = child
-        shareable = parent.status == RequestStatus.RUNNING and 0 < parent.num_computed_tokens
-        if shareable and parent.num_computed_tokens != parent.num_tokens:
-            raise ValueError(f"parent {parent_id!r} must be parked (pop_last_token) before a fork")
-        if shareable and len(self.running) < self.config.max_num_seqs:
-            self.kv_cache_manager.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-        else:
-            child.status = RequestStatus.WAITING
-            self.waiting.append(child)
-        return child
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
