@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context  # noqa: F401
+from mini_vllm.attention.metadata import AttentionMetadata  # noqa: F401
+from mini_vllm.forward_context import set_forward_context  # noqa: F401
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata

@@ -24,14 +24,14 @@ def _serve(model: str, engine_args: dict, conn) -> None:
     torch.set_num_threads(1)
     from mini_vllm.config import EngineConfig
     from mini_vllm.engine.llm_engine import LLMEngine
-    from mini_vllm.executor.abstract import Executor
+    from mini_vllm.executor import get_executor_class
     from mini_vllm.sampling_params import SamplingParams
 
     config = EngineConfig.from_kwargs(model, **engine_args)
     computed: dict[str, int] = {}  # request -> tokens the runner computed for it
     first_step: dict[str, int] = {}
 
-    class CountingExecutor(Executor.get_class(config)):
+    class CountingExecutor(get_executor_class(config)):
         """The engine's own executor, counting what each step computes per request:
         the report shows the decode engine computed none of the handed-off prompt."""
 

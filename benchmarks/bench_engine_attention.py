@@ -42,7 +42,7 @@ import time
 import torch
 
 from mini_vllm.attention import torch_attn as torch_attention
-from mini_vllm.forward_context import AttentionMetadata
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels.cpu_paged_attention import run_varlen
 from mini_vllm.paged_attention import paged_attention_varlen
 

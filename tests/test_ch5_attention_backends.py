@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from mini_vllm.attention.backends import BACKEND_NAMES, default_backend, get_attn_backend
-from mini_vllm.forward_context import AttentionMetadata
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.paged_attention import paged_attention_varlen, reshape_and_cache
 from strategies import block_layouts, gqa_shapes, ragged_batches
 

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.forward_context import set_forward_context
 from mini_vllm.models import ModelConfig, load_model
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.course.tiny_models import load_tiny_model, model_path

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from hf_configs import tiny_config
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.forward_context import set_forward_context
 from mini_vllm.models import load_model, set_attention_backend
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.course.tiny_models import model_path

@@ -15,7 +15,7 @@ import redis
 from engine_utils import make_llm, run_greedy
 from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
 from test_ch6_engine import (BS, assert_same_as_reference, computed_per_request, flush,
-                             greedy_logprobs, prompts_with_prefix, record_scheduled, with_impl)
+                             greedy_logprobs, prompts_with_prefix, recording_llm, with_impl)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,7 @@ def test_two_engine_processes_share_one_server(fresh, reference, impl):
     child = json.loads(res.stdout.strip().splitlines()[-1])
     assert child["out"] == run_greedy(reference, a_prompts, 3), "engine A's tokens changed"
     assert child["saved"] > 0
-    b = make_llm(kv_transfer_config=with_impl(tc(fresh.url), impl))
-    log = record_scheduled(b)
+    b, log = recording_llm(kv_transfer_config=with_impl(tc(fresh.url), impl))
     assert_same_as_reference(greedy_logprobs(b, b_prompts, 4),
                              greedy_logprobs(reference, b_prompts, 4), "engine B")
     shared = 320 // BS * BS

@@ -186,12 +186,7 @@ def _cycle_in(graph, comp: set[str]) -> list[str]:
 
 # Cycles accepted on purpose, each with its reason; the test fails if one of them
 # grows or disappears (then drop it here), and on any other cycle.
-KNOWN_CYCLES = {
-    frozenset({"mini_vllm.executor.abstract", "mini_vllm.executor.multiproc_executor",
-               "mini_vllm.executor.uniproc_executor"}):
-        "Executor.get_class, a factory on the base class that imports its subclasses inside "
-        "the function, exactly as vLLM's vllm/v1/executor/abstract.py does",
-}
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
 def describe(graph: dict, comp: set[str], where: dict) -> str:

@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 
 from mini_vllm import paged_attention as ref
 from mini_vllm.attention.backends import get_attn_backend
-from mini_vllm.forward_context import AttentionMetadata
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels import cpu_paged_attention as cpa
 from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode, paged_attention_varlen
 from oracles import dense_causal_attention

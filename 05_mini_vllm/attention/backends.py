@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from mini_vllm.attention import torch_attn
-from mini_vllm.forward_context import AttentionMetadata
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.paged_attention import reshape_and_cache as torch_reshape_and_cache
 
 BACKEND_NAMES = ("torch", "triton", "cpu")

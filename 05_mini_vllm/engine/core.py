@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mini_vllm.executor import get_executor_class
 from mini_vllm.executor.abstract import Executor
 from mini_vllm.metrics.stats import SchedulerStats
 from mini_vllm.models.config import ModelConfig
@@ -36,7 +37,7 @@ class EngineCoreStep:
 
 class EngineCore:
     """`executor_class` (vLLM's argument of the same name) defaults to the one
-    the config asks for (`Executor.get_class`); tools pass a subclass to watch
+    the config asks for (`get_executor_class`); tools pass a subclass to watch
     or shape execution (Chapter 6's P/D engine process counts the tokens it
     computes this way)."""
 
@@ -49,7 +50,7 @@ class EngineCore:
             from mini_vllm.global_cache.factory import build_connectors
             model_config = ModelConfig.from_json(Path(config.model) / "config.json")
             self.kv_connector, self.kv_connector_worker = build_connectors(config, model_config)
-        executor_class = executor_class or Executor.get_class(config)
+        executor_class = executor_class or get_executor_class(config)
         self.executor = executor_class(config, kv_connector=self.kv_connector_worker)
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len

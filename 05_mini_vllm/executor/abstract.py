@@ -1,6 +1,6 @@
 """The executor interface: the engine core's only handle on its workers.
 
-vLLM counterpart: `vllm/v1/executor/abstract.py` (`Executor`, `get_class`,
+vLLM counterpart: `vllm/v1/executor/abstract.py` (`Executor`,
 `determine_available_memory`, `initialize_from_config`, `execute_model`,
 `collective_rpc`, `check_health`, `shutdown`).
 
@@ -11,6 +11,10 @@ asks the executor, so the same core drives one worker in this process
 at construction (the engine config and, with Chapter 6, the worker-side KV
 connector); the speculative proposer and the model runner are built by the
 worker itself from the config.
+
+Which implementation an engine gets is `mini_vllm.executor.get_executor_class`
+(vLLM's `Executor.get_class`; kept out of this module so that the base class
+never imports its subclasses, which would make an import cycle).
 
 Invariants every implementation keeps:
 * `model_config`, `max_model_len` and `bytes_per_block` are known after
@@ -34,16 +38,6 @@ class Executor(ABC):
     model_config: Any
     max_model_len: int
     bytes_per_block: int  # KV bytes of one block on one rank, all layers, K and V
-
-    @staticmethod
-    def get_class(config) -> type["Executor"]:
-        """One rank in this process, or one worker process per tensor-parallel rank
-        (vLLM picks by `distributed_executor_backend`; here the rank count decides)."""
-        if getattr(config, "tensor_parallel_size", 1) > 1:
-            from mini_vllm.executor.multiproc_executor import MultiprocExecutor  # torch.distributed
-            return MultiprocExecutor
-        from mini_vllm.executor.uniproc_executor import UniProcExecutor
-        return UniProcExecutor
 
     @abstractmethod
     def __init__(self, config, kv_connector=None) -> None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from mini_vllm import spec_decode
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.forward_context import set_forward_context
 from mini_vllm.paged_attention import BlockAllocator, allocate_kv_cache
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.forward_context import set_forward_context
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 from mini_vllm.sample.sampler import Sampler, gather_logprobs

@@ -24,7 +24,8 @@ from mini_vllm.attention.backends import default_backend
 from mini_vllm.worker.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
                                     num_blocks_for_budget)
 from mini_vllm.distributed import GroupCoordinator, min_over_ranks, use_tp_group
-from mini_vllm.forward_context import AttentionMetadata, set_forward_context
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.forward_context import set_forward_context
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.loader import load_model
