@@ -336,7 +336,8 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     cu = cu_seqlens_q.contiguous().numpy()
     seq_lens = seq_lens.to(torch.int32).contiguous().numpy()
     item_seq, item_t0 = plan_items(cu, seq_lens, tile_tokens)
-    nthreads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    torch_threads = torch.get_num_threads()
+    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(nthreads)
     # Per-thread scratch, allocated once per call (not once per item, inside the
     # loop): about 3 us of the call's fixed 50 us, so not cached across calls.
@@ -359,6 +360,11 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
                            item_seq, item_t0, tile_tokens, _FORMATS[key_cache.dtype], f32(scale), step_keys, *scratch)
     finally:
         numba.set_parallel_chunksize(previous)
+        # numba's OpenMP layer shares libgomp with torch, and starting it sets the
+        # process-wide OpenMP thread count to NUMBA_NUM_THREADS (every core): left
+        # alone, every later torch op would ignore OMP_NUM_THREADS / set_num_threads.
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
     return out if fp32 else out.to(query.dtype)
 
 

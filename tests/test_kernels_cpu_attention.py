@@ -10,6 +10,10 @@ backends are checked against too.
 fp32 cases come first in the file: a planted mistake fails there before the
 16-bit variant of the kernel is compiled (seconds under `make mutants`).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -149,6 +153,25 @@ def test_one_and_two_threads_give_identical_bits():
     finally:
         torch.set_num_threads(before)
     assert_close(one, ref.paged_attention_varlen(*args), torch.float32, "cpu kernel vs reference, 24 sequences")
+
+
+def test_the_kernel_keeps_torchs_thread_count():
+    """numba's OpenMP layer shares libgomp with torch; its start-up sets the
+    process-wide OpenMP thread count to every core. In a fresh process (the
+    start-up happens once), torch must still use the 1 thread it was set to."""
+    code = ("import torch\n"
+            "torch.set_num_threads(1)\n"
+            "from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode\n"
+            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
+            "paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
+            "                       torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "print(torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    env["NUMBA_NUM_THREADS"] = "2"  # as on any machine with 2 or more cores, pinned or not
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1", (f"after the kernel's first call torch uses {out.stdout.split()[-1]} threads, "
+                                          "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
 
 
 @st.composite
