@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mini_vllm.attention.backends import BACKEND_NAMES
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
 # vLLM's `LogprobsMode` (vllm/config/model.py): what a request's logprobs describe.
@@ -88,8 +89,8 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in (None, "torch", "triton", "cpu"):
-            raise ValueError("attention_backend must be None, 'torch', 'triton' or 'cpu', "
+        if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be None or one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")

@@ -58,7 +58,7 @@ def test_each_rank_holds_its_kv_heads_slice_after_every_step(engines):
     one, two = engines
     ex1, ex2 = (llm.llm_engine.engine_core.executor for llm in engines)
     assert ex2.collective_rpc(operator.attrgetter("tp_group.rank")) == [0, 1]
-    nkv = ex1.worker.num_kv_heads
+    (nkv,) = ex1.collective_rpc(operator.attrgetter("num_kv_heads"))
     assert ex2.collective_rpc(operator.attrgetter("num_kv_heads")) == [nkv // 2] * 2, \
         "each rank must allocate the KV cache of its own kv heads only"
     for i, p in enumerate(_prompts(1, 3)):
@@ -73,7 +73,7 @@ def test_each_rank_holds_its_kv_heads_slice_after_every_step(engines):
         steps += 1
         if steps % 3:
             continue  # every third step: the caches are the expensive part to fetch
-        full = ex1.worker.cache_engine.gpu_cache
+        (full,) = ex1.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))
         ranks = ex2.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))
         for layer, (k, v) in enumerate(full):
             for r, caches in enumerate(ranks):
