@@ -85,9 +85,21 @@ def _writable_cache_dir() -> None:
         os.environ["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"mini_vllm_numba_{os.getuid()}")
 
 
-_writable_cache_dir()
+def _thread_pool_size() -> None:
+    """numba sizes its thread pool once, at import, from the CPUs this process
+    may use at that moment. A process that is pinned to one core when the
+    kernel is first imported and widened later (a benchmark's 1-thread phase,
+    then its 2-thread phase) would keep a 1-thread pool for good. So the pool
+    gets every CPU of the machine; each call still uses only as many threads
+    as torch does."""
+    if "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(os.cpu_count() or 1)
 
-import numba  # noqa: E402  (after the cache dir is settled: numba reads it at import)
+
+_writable_cache_dir()
+_thread_pool_size()
+
+import numba  # noqa: E402  (after the cache dir and pool size are settled: numba reads them at import)
 import scipy.linalg.cython_blas  # noqa: E402, F401  (the BLAS numba's np.dot calls: loaded before we limit it)
 from numba import njit, prange  # noqa: E402
 

@@ -174,6 +174,31 @@ def test_the_kernel_keeps_torchs_thread_count():
                                           "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to widen the affinity")
+def test_a_kernel_imported_on_one_core_uses_two_threads_later():
+    """numba fixes its pool size at import. A process pinned to one core when it
+    first imports the kernel, then widened to two (as the benchmarks do between
+    their 1- and 2-thread phases), must run the kernel on two threads."""
+    code = ("import os, torch\n"
+            "os.sched_setaffinity(0, {0})\n"
+            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
+            "import numba\n"
+            "os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
+            "torch.set_num_threads(2)\n"
+            "seen = []\n"
+            "real = numba.set_num_threads\n"
+            "cpa.numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]\n"
+            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
+            "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
+            "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "print(seen[-1])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "2", (f"the kernel ran on {out.stdout.split()[-1]} thread(s) with torch at 2: "
+                                          "numba's pool kept the size of the affinity it was imported under")
+
+
 @st.composite
 def cases(draw, dtypes, decode_only=False):
     batch = draw(ragged_batches(max_seqs=4, max_seq_len=56, decode_only=decode_only))
