@@ -133,3 +133,22 @@ def test_backend_names_and_default():
         get_attn_backend(None)
     assert default_backend("cpu") == "cpu", "CPU must default to the compiled kernel, not torch or the Triton interpreter"
     assert default_backend(torch.device("cuda", 0)) == "triton", "CUDA must default to the compiled kernels"
+
+
+def test_cpu_backends_cache_write_equals_reshape_and_cache():
+    """The cpu backend writes K/V with one index_copy_ per cache on the flat slot
+    view; it must store exactly what Chapter 1's reshape_and_cache stores, -1
+    slots (tokens whose K/V is not kept) included, and touch nothing else."""
+    from mini_vllm.attention.backends import write_kv_in_place
+
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.full((6, 8, 2, 16), float("nan")), torch.full((6, 8, 2, 16), float("nan"))
+    key, value = torch.randn(10, 2, 16, generator=g), torch.randn(10, 2, 16, generator=g)
+    slots = torch.randperm(48, generator=g)[:10]
+    slots[[2, 7]] = -1
+    want_k, want_v = kc.clone(), vc.clone()
+    reshape_and_cache(key, value, want_k, want_v, slots)
+    real = slots >= 0
+    write_kv_in_place(key, value, kc, vc, slots[real].long(), real)
+    assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "key cache differs from reshape_and_cache's"
+    assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "value cache differs from reshape_and_cache's"

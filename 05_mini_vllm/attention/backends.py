@@ -82,14 +82,31 @@ class CpuAttentionBackend:
         # Imported lazily: numba takes a moment to import and the other backends never need it.
         from mini_vllm.kernels.cpu_paged_attention import check_cpu_inputs, run_varlen
 
-        torch_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
         if not getattr(md, "_cpu_checked", False):
             # The kernel has no bounds checks: a bad block id would read outside the
             # cache. Check the metadata once per step (every layer shares md), not per layer.
             md.validate(key_cache.shape[0], key_cache.shape[1])
+            real = md.slot_mapping >= 0  # -1: a token whose K/V is not kept
+            slots = md.slot_mapping.long()  # index_copy_ takes int64 indices
+            md._cpu_real = None if bool(real.all()) else real
+            md._cpu_slots = slots if md._cpu_real is None else slots[real]
             md._cpu_checked = True
         check_cpu_inputs(query, key_cache, value_cache)
+        write_kv_in_place(key, value, key_cache, value_cache, md._cpu_slots, md._cpu_real)
         return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)
+
+
+def write_kv_in_place(key, value, key_cache, value_cache, slots, real=None) -> None:
+    """Chapter 1's `reshape_and_cache` for contiguous caches: slot s is row s of
+    the cache seen as [num_blocks * block_size, num_kv_heads, head_dim], so one
+    `index_copy_` per cache writes the whole batch (faster than indexing by
+    (block, offset) pairs: 115 -> 20 us for a 128-token decode step, 2.0 -> 0.58 ms
+    for 2,048 tokens, one thread).
+    `slots` are already checked and free of -1; `real` selects their rows."""
+    if real is not None:
+        key, value = key[real], value[real]
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 _BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend, "cpu": CpuAttentionBackend}
