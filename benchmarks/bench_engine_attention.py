@@ -22,7 +22,15 @@ key: the scores and P @ V), so the cpu kernel's GFLOP/s is printed too.
 Only attention is timed: both backends write the cache with the same
 `reshape_and_cache` first. Outputs are checked against Chapter 1's reference
 before timing; times are the best of REPEATS calls, the two kernels called
-alternately so background load hits both alike.
+alternately so background load hits both alike. By default the batch's K/V
+may still sit in the L3 cache from the previous call (29 MB for the first
+batch, 32 MB of L3 on the 2-core machine); `--cold` evicts it before every
+timed call, as in the engine, where one layer's K/V (128 sequences of 400
+tokens: 52 MB) and the other layers' pass through the cache between two
+visits. Decodes are memory-bound, so they read closer to the engine cold.
+
+The fixed cost of a call (planning, numba's argument unboxing, scratch) is
+paid per layer and step; it is printed as the time of a 1-token decode.
 
 Compile time: the kernel's first call in a fresh process with an empty numba
 cache (the compile a learner waits for once), and with the on-disk cache.
@@ -57,9 +65,11 @@ def _lens(n, lo, hi, seed):
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-# name -> (heads, seq_lens, q_lens, dtype)
+# name -> (heads, seq_lens, q_lens, dtype[, block size: BS if not given])
 BATCHES = {
     "decode x64, 200-700, heads 4/2 d64": (ISSUE, _lens(64, 200, 700, 1), [1] * 64, torch.float32),
+    # the throughput benchmark's decode steps: up to 128 sequences of 16-768 tokens, block 32
+    "decode x128, 16-768, 4/2 d64, block 32": (ISSUE, _lens(128, 16, 768, 7), [1] * 128, torch.float32, 32),
     "decode x16, 256-1024, Qwen3 heads": (QWEN3, _lens(16, 256, 1024, 2), [1] * 16, torch.float32),
     "decode x16, 256-1024, Qwen3, bf16": (QWEN3, _lens(16, 256, 1024, 2), [1] * 16, torch.bfloat16),
     "prefill 256, heads 4/2 d64": (ISSUE, [256], [256], torch.float32),
@@ -73,20 +83,21 @@ BATCHES = {
 }
 
 
-def make(heads, seq_lens, q_lens, dtype, seed=0):
+def make(heads, seq_lens, q_lens, dtype, block_size=BS, seed=0):
     """Random caches, shuffled block tables, this step's queries and the metadata."""
     num_heads, num_kv_heads, head_dim = heads
     g = torch.Generator().manual_seed(seed)
-    needed = [-(-s // BS) for s in seq_lens]
+    needed = [-(-s // block_size) for s in seq_lens]
     ids = list(range(sum(needed) + 8))
     random.Random(seed).shuffle(ids)
     tables, pos = [], 0
     for n in needed:
         tables.append(ids[pos:pos + n] + [-1] * (max(needed) - n))
         pos += n
-    shape = (len(ids), BS, num_kv_heads, head_dim)
+    shape = (len(ids), block_size, num_kv_heads, head_dim)
     kc, vc = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-    slots = [t[p // BS] * BS + p % BS for t, s, q in zip(tables, seq_lens, q_lens) for p in range(s - q, s)]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, s, q in zip(tables, seq_lens, q_lens) for p in range(s - q, s)]
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
@@ -112,14 +123,40 @@ def copy_bandwidth(repeats: int = 10) -> float:
     return src.numel() * src.element_size() / best
 
 
-def best_interleaved(fns) -> list[float]:
+_EVICT = None  # a buffer twice the size of the L3 cache, written to evict it (--cold)
+
+
+def evict_caches():
+    global _EVICT
+    if _EVICT is None:
+        _EVICT = torch.zeros(64 << 20, dtype=torch.uint8)
+    _EVICT.add_(1)
+
+
+def best_interleaved(fns, cold=False) -> list[float]:
     times = [[] for _ in fns]
     for _ in range(REPEATS):
         for fn, ts in zip(fns, times):
+            if cold:
+                evict_caches()
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
     return [min(ts) for ts in times]
+
+
+def fixed_cost_us(repeats: int = 200) -> float:
+    """Best time of the cpu kernel on a 1-token decode: what every call pays."""
+    kc = torch.randn(2, BS, 2, 64)
+    args = (torch.randn(1, 4, 64), kc, kc.clone(), torch.tensor([[0]], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 0.125)
+    run_varlen(*args)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_varlen(*args)
+        ts.append(time.perf_counter() - t0)
+    return min(ts) * 1e6
 
 
 _FIRST_CALL = """
@@ -145,6 +182,7 @@ def first_call_seconds(cache_dir: str) -> list[float]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="2", help="comma-separated thread counts, e.g. 1,2")
+    parser.add_argument("--cold", action="store_true", help="evict the L3 cache before every timed call")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache_dir:
         cold = first_call_seconds(cache_dir)
@@ -163,7 +201,9 @@ def main():
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)  # the kernel follows torch's thread count
         bw = copy_bandwidth()
-        print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s; block {BS}, best of {REPEATS}")
+        print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s; block {BS} unless named, best of "
+              f"{REPEATS}, {'L3 evicted before each call' if args.cold else 'L3 as the last call left it'}; "
+              f"cpu kernel fixed cost {fixed_cost_us():.0f} us a call")
         print(f"{'batch':42s} {'K/V MB':>7s} {'floor ms':>9s} {'cpu ms':>8s} {'x floor':>8s} "
               f"{'cpu GFLOP/s':>12s} {'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
         for name, (q, kc, vc, md, kv_bytes, flops) in cases.items():
@@ -171,7 +211,7 @@ def main():
             with torch.no_grad():
                 t_cpu, t_torch = best_interleaved([
                     lambda: run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale),
-                    lambda: torch_attention.attend(q, kc, vc, md, scale)])
+                    lambda: torch_attention.attend(q, kc, vc, md, scale)], cold=args.cold)
             floor = kv_bytes / bw
             print(f"{name:42s} {kv_bytes / 1e6:7.1f} {floor * 1e3:9.2f} {t_cpu * 1e3:8.2f} {t_cpu / floor:8.2f} "
                   f"{flops / t_cpu / 1e9:12.1f} {t_torch * 1e3:9.2f} {t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")

@@ -12,55 +12,78 @@ where they lie in the cache, once per query tile, with an online softmax
 (running max, running sum, fp32 accumulator), as Chapter 1's lesson and the
 Triton kernel do.
 
-Work split: one work item is (sequence, KV head, tile of up to
-`TILE_ROWS // group` query tokens). A decode is one item per KV head; a long
-prefill is cut into tiles so two cores share it. Items run in a `prange`
-handed out one at a time (chunk size 1), longest first, so ragged batches end
-balanced. An item stacks its query tokens x the `group` query heads of its KV
-head (GQA) into the rows of a query tile Q, so each K/V row is widened once
-and used by all of them.
+Work split: a prefill or chunk is one work item per (sequence, KV head, tile
+of up to `TILE_ROWS // group` query tokens), so two cores share a long
+prefill. A decode (q_len 1) is one item of all the KV heads of its sequence:
+each cache block [block_size, num_kv_heads, head_dim] is then one contiguous
+read, where an item per KV head would read head_dim-sized pieces with gaps
+(the other heads' rows); with fewer decodes than `DECODE_ITEMS_PER_THREAD`
+per thread, one item per (sequence, KV head) instead, so the threads still
+share them. Items run in a `prange` handed out one at a time (chunk size 1),
+longest first, so ragged batches end balanced.
 
-One item, FlashAttention's loop: the sequence's keys are taken a step at a
-time, several cache blocks per step (K and V tiles of `KV_TILE_BYTES` each),
-and per step
+Two paths, both FlashAttention's loop: the sequence's keys are taken a step
+at a time, several cache blocks per step (`KV_TILE_BYTES` of fp32 keys), and
+per step
 
-    S   = Q @ K_step.T                 one matrix product, rows x keys
+    S   = Q @ K_step.T                 scores, query rows x keys
     P   = exp(S - running max)         keys in a row's future get P = 0
     acc = acc * alpha + P @ V_step     alpha = exp(old max - new max)
 
-The two products are BLAS calls (numba compiles `np.dot` on float32 arrays to
-sgemm from scipy's OpenBLAS), the softmax between them is plain loops. The
-same code serves a decode (1 to `group` rows) and a prefill tile (64 rows).
+- The tiled path (`_attend_item`: prefill tiles, and decodes whose group
+  exceeds `DECODE_MAX_GROUP`) stacks an item's query tokens x the `group`
+  query heads of its KV head into the rows of a query tile Q (up to 64 rows),
+  widens each step's K/V blocks into fp32 tiles and does the two products as
+  BLAS calls (numba compiles `np.dot` on float32 arrays to sgemm from scipy's
+  OpenBLAS); the softmax between them is plain loops.
+- The decode path (`_decode_item`) has one query row per query head, `group`
+  per KV head: products that small cost more in BLAS call overhead (1-2 us a
+  call) than in arithmetic. So S and P @ V are plain loops the compiler
+  vectorises over head_dim, each K/V row read once, in place, for its group's
+  rows, two keys at a time. Decode attention is memory-bound (each K/V
+  element read serves `group` multiply-adds), and the blocks of a sequence
+  lie at random places in the cache, where the hardware prefetcher cannot
+  follow, so the loops prefetch the same slots one block ahead (`_prefetch`).
+  On 128 decodes of 16-768 tokens (the engine's shape, fp32) this runs at
+  the memory-traffic floor of `benchmarks/bench_engine_attention.py`, about
+  twice as fast as the tiled path.
 
 Invariants:
-- only positions < seq_len are read: an item's last key is its last query's
-  position, so -1 table entries, unused blocks and NaN slots past seq_len are
-  never touched (a masked key's P is 0, but 0 * NaN would still be NaN);
+- only positions < seq_len are read (or prefetched): an item's last key is
+  its last query's position, so -1 table entries, unused blocks and NaN slots
+  past seq_len are never touched (a masked key's P is 0, but 0 * NaN would
+  still be NaN);
 - query t of a sequence sits at position seq_len - q_len + t and sees keys
   0 .. that position; key 0 is in the first step and visible to every row, so
-  each row's running max is finite from the first step on.
+  each row's running max is finite from the first step on;
+- each query row's arithmetic is the same whichever item or thread computes
+  it, so the thread count changes no bit of the output.
 
-Arithmetic: fp32 scores, softmax and accumulators. The caches are read as raw
-bits (fp32 as uint32, bf16 and fp16 as uint16; numba has no bf16 or CPU fp16
-type) and each K/V block is widened into an fp32 tile: bf16 by shifting its
-16 bits into the top of an fp32, fp16 by the exponent rebias below. exp of
-the scores is a polynomial the compiler vectorises (`_exp`, relative error
-under 1e-7). The output is fp32 and cast to the query's dtype by torch (round to
-nearest even). `fastmath` allows only reassociation and fused multiply-add,
-so loops vectorise while -inf and NaN keep IEEE meaning; numpy's error model
-makes a division by zero give inf/NaN (as in torch) instead of raising from
-a thread.
+Arithmetic: fp32 scores, softmax and accumulators. fp32 caches are read as
+they are; bf16 and fp16 caches as raw bits (uint16: numba has no bf16 or CPU
+fp16 type), widened to fp32: bf16 by shifting its 16 bits into the top of an
+fp32, fp16 by the exponent rebias below. exp of the scores is a polynomial
+the compiler vectorises (`_exp`, relative error under 1e-7). The output is
+fp32 and cast to the query's dtype by torch (round to nearest even).
+`fastmath` allows only reassociation and fused multiply-add, so loops
+vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
+division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
 Threads: as many as torch uses (`torch.set_num_threads`, OMP_NUM_THREADS), so
 one setting governs both. BLAS is held to one thread while the kernel runs
 (`_single_threaded_blas`): numba's threads are the parallelism, and an
 OpenBLAS that split each product again would put 2 x 2 threads on 2 cores.
 
-Compile: once per cache width (uint32 for fp32, uint16 for bf16 and fp16) on
-first use, about 5 to 6 s of CPU each (7 to 8 s wall on a busy 2-core
-machine; the BLAS bindings add about 1 s), then loaded from numba's on-disk
-cache in under half a second (`cache=True`: `__pycache__` beside this file,
-or NUMBA_CACHE_DIR where that is read-only; `benchmarks/bench_engine_attention.py`
+Per call: about 25 us of fixed cost (planning, compiled: `_plan`; numba's
+argument unboxing; scratch), paid per layer and step; 50 us before the
+planner was compiled, BLAS left alone for batches that do not call it and
+the chunk size left alone on one thread.
+
+Compile: once per cache width (float32 for fp32, uint16 for bf16 and fp16)
+on first use, about 10 to 11 s of CPU each (the decode path doubled it; the
+BLAS bindings add about 1 s), then loaded from numba's on-disk cache in
+under half a second (`cache=True`: `__pycache__` beside this file, or
+NUMBA_CACHE_DIR where that is read-only; `benchmarks/bench_engine_attention.py`
 prints both).
 """
 from __future__ import annotations
@@ -101,8 +124,14 @@ _thread_pool_size()
 
 import numba  # noqa: E402  (after the cache dir and pool size are settled: numba reads them at import)
 import scipy.linalg.cython_blas  # noqa: E402, F401  (the BLAS numba's np.dot calls: loaded before we limit it)
-from numba import njit, prange  # noqa: E402
+from llvmlite import binding as llvm_binding, ir as llvm_ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
+# Threads per kernel call (at most torch's count): 1, see run_varlen. Tests set it to 2
+# to check that a split between threads changes no bit.
+KERNEL_THREADS = 1
 FMT_FP32, FMT_BF16, FMT_FP16 = 0, 1, 2
 _FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
 # Query rows (tokens x heads of a group) per work item: 64 rows x head_dim 128
@@ -116,6 +145,18 @@ TILE_ROWS = 64
 # 512-token prefill (20.1 -> 18.1 ms at head_dim 128); 64 KiB tiles measured
 # within 8% either way.
 KV_TILE_BYTES = 32 << 10
+# A decode item (one query token) covers all KV heads of its sequence, so each
+# cache block is one contiguous read, unless the batch has fewer decodes than
+# this many per thread: then one item per (sequence, KV head), so the threads
+# still share the work. Per sequence against per (sequence, KV head), one
+# thread: 16 Qwen3 decodes (8 KV heads) 4.3 against 7.3 ms, 128 decodes of the
+# engine's shape (2 KV heads) 3.8 against 6.3 ms.
+DECODE_ITEMS_PER_THREAD = 4
+# Decodes with more query heads per KV head than this take the tiled (BLAS)
+# path: at 16, sgemm's register blocking beats the decode loops (heads 32/2
+# d64: 8.1 ms tiled, 8.4 ms decode path); at 8 the decode path is faster (heads
+# 16/2 d64: 4.9 ms against 6.1 ms).
+DECODE_MAX_GROUP = 8
 _FASTMATH = {"reassoc", "contract"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
 _NEG_INF = np.float32(-np.inf)
@@ -161,23 +202,87 @@ def _exp(x):
     return p * np.uint32((np.int32(n) + 127) << 23).view(np.float32)
 
 
+@njit(cache=True, inline="always")
+def _bf16_to_fp32(bits):
+    """bf16 bits -> float32: bf16 is the top half of an fp32."""
+    return np.uint32(np.uint32(bits) << 16).view(np.float32)
+
+
+@njit(cache=True, inline="always")
+def _widen_row(cache, phys, slot, kvh, fmt, row):
+    """row[:] = the head_dim values of KV head kvh at slot `slot` of physical
+    block phys, as fp32. The format branch sits outside the loops so each loop
+    vectorises."""
+    head_dim = row.shape[0]
+    if fmt == FMT_FP32:
+        for d in range(head_dim):
+            row[d] = cache[phys, slot, kvh, d]
+    elif fmt == FMT_BF16:
+        for d in range(head_dim):
+            row[d] = _bf16_to_fp32(cache[phys, slot, kvh, d])
+    else:
+        for d in range(head_dim):
+            row[d] = _fp16_to_fp32(cache[phys, slot, kvh, d])
+
+
 @njit(cache=True)
 def _widen_block(cache, phys, kvh, n, fmt, tile):
-    """tile[:n] = rows 0..n-1 of KV head kvh in physical block phys, as fp32.
-    The format branch sits outside the loops so each loop vectorises."""
-    head_dim = tile.shape[1]
-    if fmt == FMT_FP32:
-        for j in range(n):
-            for d in range(head_dim):
-                tile[j, d] = np.uint32(cache[phys, j, kvh, d]).view(np.float32)
-    elif fmt == FMT_BF16:  # bf16 is the top half of an fp32
-        for j in range(n):
-            for d in range(head_dim):
-                tile[j, d] = np.uint32(np.uint32(cache[phys, j, kvh, d]) << 16).view(np.float32)
-    else:
-        for j in range(n):
-            for d in range(head_dim):
-                tile[j, d] = _fp16_to_fp32(cache[phys, j, kvh, d])
+    """tile[:n] = slots 0..n-1 of KV head kvh in physical block phys, as fp32."""
+    for j in range(n):
+        _widen_row(cache, phys, j, kvh, fmt, tile[j])
+
+
+# llvm.prefetch's name carries its pointer type: "p0" once LLVM's pointers are opaque (LLVM 15+).
+_PREFETCH = "llvm.prefetch.p0" if llvm_binding.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx, flat, i):
+    """Ask the CPU to start loading the 64-byte line that holds flat[i] into
+    its L2 cache, without waiting for it (x86 `prefetcht1`). Only a hint: it
+    never faults and changes no value. numba has no prefetch of its own, so
+    this emits LLVM's intrinsic."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = builder.gep(array.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
+        i8p, i32 = llvm_ir.IntType(8).as_pointer(), llvm_ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p] + [i32] * 3),
+                                            _PREFETCH)
+        # read (0); locality 2, L2 and not L1: lines 1-2 blocks ahead would evict the item's q, acc and scores
+        # from the 32 KiB L1; data (1)
+        builder.call(fn, [builder.bitcast(pointer, i8p), i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+    return types.void(flat, i), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(flat, first, n):
+    """Prefetch flat[first:first + n], line by line."""
+    for e in range(first, first + n, 64 // flat.itemsize):
+        _prefetch(flat, e)
+
+
+@njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")
+def _softmax_step(s, r, seen, n, m, l):
+    """One online-softmax step for row r of the scores s (n keys, the first
+    `seen` visible to the row): s[r, :seen] becomes P = exp(S - new running
+    max), s[r, seen:n] = 0 (keys in the row's future), the running max m[r] and
+    sum l[r] are updated. Returns alpha = exp(old max - new max), by which the
+    caller rescales what earlier steps accumulated (0 on the first step)."""
+    m_new = m[r]
+    for j in range(seen):
+        m_new = max(m_new, s[r, j])
+    a = np.exp(m[r] - m_new)
+    l_r = l[r] * a
+    for j in range(seen):
+        p = _exp(s[r, j] - m_new)
+        s[r, j] = p
+        l_r += p
+    for j in range(max(seen, 0), n):
+        s[r, j] = 0.0  # the key lies in this row's future
+    m[r] = m_new
+    l[r] = l_r
+    return a
 
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
@@ -215,20 +320,7 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
         np.dot(q, k_tile[:n].T, s)
         for r in range(rows):
             seen = min(n, context_len + t0 + r // group - start + 1)  # causal: the row sees keys 0..seen-1
-            m_new = m[r]
-            for j in range(seen):
-                m_new = max(m_new, s[r, j])
-            a = np.exp(m[r] - m_new)  # rescales what earlier steps summed (0 on the first)
-            l_r = l[r] * a
-            for j in range(seen):
-                p = _exp(s[r, j] - m_new)
-                s[r, j] = p
-                l_r += p
-            for j in range(max(seen, 0), n):
-                s[r, j] = 0.0  # the key lies in this row's future
-            alpha[r] = a
-            m[r] = m_new
-            l[r] = l_r
+            alpha[r] = _softmax_step(s, r, seen, n, m, l)
         # P @ V as a second sgemm instead of acc[r] += p * v per (row, key),
         # then the rescale and the sum in one pass over acc. A masked key adds
         # 0 * v: v must be a real key's value, never a NaN slot past seq_len
@@ -244,37 +336,199 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
             out[tok, head, d] = acc[r, d] * inv
 
 
-def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int):
-    """Work items (sequence, first query token of a tile), longest first: with
-    items handed out one at a time, the last to start are the short ones and
-    the threads finish together. Plain numpy (tens of microseconds): a
-    compiled argsort would add seconds to the first call."""
-    q_lens = np.diff(cu_seqlens_q.astype(np.int64))
-    tiles = (q_lens + tile_tokens - 1) // tile_tokens
-    item_seq = np.repeat(np.arange(len(q_lens)), tiles)
-    first_item = np.cumsum(tiles) - tiles
-    item_t0 = (np.arange(len(item_seq)) - first_item[item_seq]) * tile_tokens
-    t1 = np.minimum(item_t0 + tile_tokens, q_lens[item_seq])
-    cost = (t1 - item_t0) * (seq_lens[item_seq] - q_lens[item_seq] + t1)  # rows x keys read
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
+def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, tok, h0, h1, group, fmt, scale,
+                 step_keys, q_rows, acc, m, l, s_buf, k_rows, v_rows):
+    """The one query token `tok` of a sequence (a decode) x the query heads of
+    KV heads h0..h1-1, over the sequence's keys, step_keys at a time, with the
+    online softmax of `_attend_item`. Plain loops instead of BLAS: a decode
+    has `group` query rows per KV head, and products that small cost more in
+    call overhead than in arithmetic. Scratch arrays are the calling thread's
+    own; k_rows and v_rows hold two fp16 rows widened to fp32."""
+    head_dim = query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    kv_end = seq_len - q_len + 1  # the token sits at position seq_len - q_len and sees keys 0..that position
+    rows = (h1 - h0) * group  # row r: query head h0 * group + r, whose KV head is h0 + r // group
+    for r in range(rows):
+        for d in range(head_dim):
+            q_rows[r, d] = query[tok, h0 * group + r, d] * scale
+            acc[r, d] = 0.0
+        m[r] = _NEG_INF
+        l[r] = 0.0
+    # Flat views of the caches, for the prefetches: the row of slot `slot` of
+    # block b (all KV heads) starts at (b * block_size + slot) * row_len.
+    k_flat, v_flat = key_cache.reshape(-1), value_cache.reshape(-1)
+    row_len = num_kv_heads * head_dim
+    for start in range(0, kv_end, step_keys):
+        keys = min(step_keys, kv_end - start)  # stops at kv_end <= seq_len: no slot past it is read
+        s = s_buf[:rows * keys].reshape((rows, keys))
+        # S = Q K^T. Each K row is read once, for the `group` query rows of its
+        # KV head, and two keys at a time, so each element of q is loaded once
+        # for both (128 decodes of 16-768 tokens, heads 4/2 d64, block 32, L3
+        # evicted: 4.3 -> 3.8 ms; K/V in L2: 16 -> 13 ns per key and query
+        # head). An odd last key of a block is paired with itself.
+        # Meanwhile the same slots one block ahead are prefetched (for V too,
+        # below): blocks lie at random places in the cache, where the hardware
+        # prefetcher, which extrapolates addresses, cannot follow. On those 128
+        # decodes: 6.9 ms without, 4.3 ms with (the copy-bandwidth floor: 4.2 ms).
+        for c in range(0, keys, block_size):  # step_keys is a multiple of block_size
+            blk = (start + c) // block_size
+            phys = table_row[blk]  # the block's physical id, from the table
+            n = min(block_size, keys - c)
+            for slot in range(0, n, 2):
+                j, pair = c + slot, min(slot + 1, n - 1)  # the two keys: slots slot and pair of the block
+                ahead = max(0, min(2, kv_end - (start + j + block_size)))  # keys one block ahead, to prefetch
+                at = (table_row[blk + 1] * block_size + slot) * row_len if ahead else 0  # where they start in k_flat
+                for kvh in range(h0, h1):
+                    if ahead > 0:  # two ifs, not a loop over `ahead`: 15% faster
+                        _prefetch_row(k_flat, at + kvh * head_dim, head_dim)
+                    if ahead > 1:
+                        _prefetch_row(k_flat, at + row_len + kvh * head_dim, head_dim)
+                    r0 = (kvh - h0) * group  # the query rows of KV head kvh: r0 .. r0 + group - 1
+                    if fmt == FMT_FP32:  # read in place
+                        for r in range(r0, r0 + group):
+                            x0, x1 = np.float32(0.0), np.float32(0.0)
+                            for d in range(head_dim):
+                                x0 += q_rows[r, d] * key_cache[phys, slot, kvh, d]
+                                x1 += q_rows[r, d] * key_cache[phys, pair, kvh, d]
+                            s[r, j], s[r, c + pair] = x0, x1
+                    elif fmt == FMT_BF16:  # widened in the loop: a shift
+                        for r in range(r0, r0 + group):
+                            x0, x1 = np.float32(0.0), np.float32(0.0)
+                            for d in range(head_dim):
+                                x0 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, slot, kvh, d])
+                                x1 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, pair, kvh, d])
+                            s[r, j], s[r, c + pair] = x0, x1
+                    else:  # fp16's widening is longer: once per row, for all the group's rows
+                        _widen_row(key_cache, phys, slot, kvh, fmt, k_rows[0])
+                        _widen_row(key_cache, phys, pair, kvh, fmt, k_rows[1])
+                        for r in range(r0, r0 + group):
+                            x0, x1 = np.float32(0.0), np.float32(0.0)
+                            for d in range(head_dim):
+                                x0 += q_rows[r, d] * k_rows[0, d]
+                                x1 += q_rows[r, d] * k_rows[1, d]
+                            s[r, j], s[r, c + pair] = x0, x1
+        # The softmax step; what earlier steps accumulated is rescaled by alpha.
+        for r in range(rows):
+            a = _softmax_step(s, r, keys, keys, m, l)
+            for d in range(head_dim):
+                acc[r, d] *= a
+        # acc += P V, two keys at a time (acc is loaded and stored once for both).
+        # An odd last key paired with itself is added once: its second weight is 0.
+        for c in range(0, keys, block_size):
+            blk = (start + c) // block_size
+            phys = table_row[blk]
+            n = min(block_size, keys - c)
+            for slot in range(0, n, 2):
+                j, pair = c + slot, min(slot + 1, n - 1)
+                ahead = max(0, min(2, kv_end - (start + j + block_size)))
+                at = (table_row[blk + 1] * block_size + slot) * row_len if ahead else 0
+                for kvh in range(h0, h1):
+                    if ahead > 0:
+                        _prefetch_row(v_flat, at + kvh * head_dim, head_dim)
+                    if ahead > 1:
+                        _prefetch_row(v_flat, at + row_len + kvh * head_dim, head_dim)
+                    r0 = (kvh - h0) * group
+                    if fmt == FMT_FP32:
+                        for r in range(r0, r0 + group):
+                            p0, p1 = s[r, j], s[r, c + pair] if pair > slot else np.float32(0.0)
+                            for d in range(head_dim):
+                                acc[r, d] += p0 * value_cache[phys, slot, kvh, d] + p1 * value_cache[phys, pair, kvh, d]
+                    elif fmt == FMT_BF16:
+                        for r in range(r0, r0 + group):
+                            p0, p1 = s[r, j], s[r, c + pair] if pair > slot else np.float32(0.0)
+                            for d in range(head_dim):
+                                acc[r, d] += (p0 * _bf16_to_fp32(value_cache[phys, slot, kvh, d])
+                                              + p1 * _bf16_to_fp32(value_cache[phys, pair, kvh, d]))
+                    else:
+                        _widen_row(value_cache, phys, slot, kvh, fmt, v_rows[0])
+                        _widen_row(value_cache, phys, pair, kvh, fmt, v_rows[1])
+                        for r in range(r0, r0 + group):
+                            p0, p1 = s[r, j], s[r, c + pair] if pair > slot else np.float32(0.0)
+                            for d in range(head_dim):
+                                acc[r, d] += p0 * v_rows[0, d] + p1 * v_rows[1, d]
+    for r in range(rows):
+        inv = np.float32(1.0) / l[r]  # l >= 1: the row saw its own max
+        for d in range(head_dim):
+            out[tok, h0 * group + r, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _plan(cu_seqlens_q, seq_lens, tile_tokens, num_kv_heads, decode_path, threads, items_per_thread):
+    """plan_items' work items in batch order, each with its cost (query rows x
+    keys read, over group), and the KV heads per decode item. Compiled: numpy
+    took 21 us for this on a small mixed batch (30 array operations of under
+    a microsecond each), a cost paid per layer and step."""
+    num_seqs = seq_lens.shape[0]
+    num_decodes = 0
+    for i in range(num_seqs):
+        num_decodes += cu_seqlens_q[i + 1] - cu_seqlens_q[i] == 1
+    decode_heads = 0  # no decode items
+    if decode_path:
+        decode_heads = num_kv_heads if num_decodes >= items_per_thread * threads or threads == 1 else 1
+    count = 0
+    for i in range(num_seqs):
+        q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i]
+        if q_len == 1 and decode_heads > 0:
+            count += num_kv_heads // decode_heads
+        else:
+            count += (q_len + tile_tokens - 1) // tile_tokens * num_kv_heads
+    item_seq, item_t0, item_h0 = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
+    cost = np.empty(count, np.int64)
+    k = 0
+    for i in range(num_seqs):
+        q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i]
+        if q_len == 1 and decode_heads > 0:  # KV heads h0 .. h0 + decode_heads - 1 of the one token
+            for h0 in range(0, num_kv_heads, decode_heads):
+                item_seq[k], item_t0[k], item_h0[k], cost[k] = i, 0, h0, decode_heads * seq_lens[i]
+                k += 1
+        else:  # a query tile x one KV head
+            for t0 in range(0, q_len, tile_tokens):
+                t1 = min(t0 + tile_tokens, q_len)
+                for h0 in range(num_kv_heads):
+                    item_seq[k], item_t0[k], item_h0[k] = i, t0, h0
+                    cost[k] = (t1 - t0) * (seq_lens[i] - q_len + t1)
+                    k += 1
+    return item_seq, item_t0, item_h0, cost, decode_heads
+
+
+def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int, num_kv_heads: int, group: int,
+               threads: int):
+    """Work items (sequence, first query token, first KV head), longest first,
+    and the number of KV heads a decode item covers (0: no decode items).
+    With items handed out one at a time, the last to start are the short
+    ones and the threads finish together. A sequence of q_len 1 (a decode) is
+    one item of all its KV heads, or one per KV head when there are too few
+    decodes to share among the threads (DECODE_ITEMS_PER_THREAD); any other
+    sequence, and any decode whose group exceeds DECODE_MAX_GROUP, is one
+    item per (query tile, KV head). The sort is numpy's: a compiled argsort
+    would add seconds to the first call."""
+    item_seq, item_t0, item_h0, cost, decode_heads = _plan(
+        cu_seqlens_q, seq_lens, tile_tokens, num_kv_heads, group <= DECODE_MAX_GROUP, threads, DECODE_ITEMS_PER_THREAD)
     order = np.argsort(-cost, kind="stable")
-    return item_seq[order], item_t0[order]
+    return item_seq[order], item_t0[order], item_h0[order], decode_heads
 
 
 @njit(cache=True, parallel=True)
 def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_q, seq_lens, item_seq, item_t0,
-                   tile_tokens, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf, k_tile, v_tile):
-    """Every (item, KV head) pair in one prange; scratch arrays have one slice per thread."""
-    num_kv_heads = key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    for w in prange(item_seq.shape[0] * num_kv_heads):
-        it, kvh = w // num_kv_heads, w % num_kv_heads
-        i, t0 = item_seq[it], item_t0[it]
+                   item_h0, tile_tokens, decode_heads, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf,
+                   k_tile, v_tile):
+    """Every work item in one prange; scratch arrays have one slice per thread.
+    A decode takes the BLAS-free path, any other item the tiled one."""
+    group = query.shape[1] // key_cache.shape[2]
+    for it in prange(item_seq.shape[0]):
+        i, t0, h0 = item_seq[it], item_t0[it], item_h0[it]
         q_start = cu_seqlens_q[i]
         q_len = cu_seqlens_q[i + 1] - q_start
         tid = numba.get_thread_id()
-        _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
-                     t0, min(t0 + tile_tokens, q_len), kvh, group, fmt, scale, step_keys, q_tile[tid], acc[tid],
-                     m[tid], l[tid], alpha[tid], s_buf[tid], pv_buf[tid], k_tile[tid], v_tile[tid])
+        if q_len == 1 and decode_heads > 0:
+            _decode_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_len, q_start, h0,
+                         h0 + decode_heads, group, fmt, scale, step_keys, q_tile[tid], acc[tid], m[tid], l[tid],
+                         s_buf[tid], k_tile[tid, :2], v_tile[tid, :2])
+        else:
+            _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
+                         t0, min(t0 + tile_tokens, q_len), h0, group, fmt, scale, step_keys, q_tile[tid], acc[tid],
+                         m[tid], l[tid], alpha[tid], s_buf[tid], pv_buf[tid], k_tile[tid], v_tile[tid])
 
 
 _blas_libraries = None  # threadpoolctl's handles on the process's BLAS libraries, found on first use
@@ -314,9 +568,10 @@ def _single_threaded_blas():
 
 
 def _cache_bits(cache: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of the cache's raw bits (uint32 or uint16)."""
+    """A zero-copy numpy view of the cache: float32 as it is, bf16 and fp16 as
+    their raw 16 bits (uint16; numpy has no bf16)."""
     if cache.dtype == torch.float32:
-        return cache.view(torch.int32).numpy().view(np.uint32)
+        return cache.numpy()
     return cache.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -347,13 +602,19 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     step_keys = block_size * max(1, KV_TILE_BYTES // (4 * head_dim) // block_size)
     cu = cu_seqlens_q.contiguous().numpy()
     seq_lens = seq_lens.to(torch.int32).contiguous().numpy()
-    item_seq, item_t0 = plan_items(cu, seq_lens, tile_tokens)
     torch_threads = torch.get_num_threads()
-    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
+    # One thread, whatever torch uses: numba's OpenMP layer links the system libgomp,
+    # torch its own, so their two thread teams spin against each other on the same
+    # cores (48 requests on 2 threads: 38.4 s with both teams at 2, 5.4 s with the
+    # kernel on one). The prange still splits the work when a caller sets
+    # KERNEL_THREADS; one OpenMP runtime (a C++ kernel on torch's) would lift this.
+    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, KERNEL_THREADS))
     numba.set_num_threads(nthreads)
+    item_seq, item_t0, item_h0, decode_heads = plan_items(cu, seq_lens, tile_tokens, num_kv_heads, group, nthreads)
     # Per-thread scratch, allocated once per call (not once per item, inside the
-    # loop): about 3 us of the call's fixed 50 us, so not cached across calls.
-    rows = tile_tokens * group
+    # loop): about 2 us of the call's fixed 25 us, so not cached across calls.
+    # A decode item has decode_heads * group rows, a tile tile_tokens * group.
+    rows = max(tile_tokens, decode_heads) * group
     f32 = np.float32
     scratch = (np.empty((nthreads, rows, head_dim), f32), np.empty((nthreads, rows, head_dim), f32),  # Q, acc
                np.empty((nthreads, rows), f32), np.empty((nthreads, rows), f32),  # running max, running sum
@@ -362,16 +623,21 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
                np.empty((nthreads, step_keys, head_dim), f32), np.empty((nthreads, step_keys, head_dim), f32))  # K, V
     fp32 = query.dtype == torch.float32
     out = torch.empty_like(query) if fp32 else torch.empty(query.shape, dtype=torch.float32)
-    # Items are handed out one at a time, not in equal slices. Set here, not in the
-    # kernel: numba cannot cache a function that sets it (a ctypes global).
-    previous = numba.set_parallel_chunksize(1)
+    # Items are handed out one at a time, not in equal slices (with one thread there
+    # is nothing to hand out). Set here, not in the kernel: numba cannot cache a
+    # function that sets it (a ctypes global).
+    previous = numba.set_parallel_chunksize(1) if nthreads > 1 else None
+    # Only the tiled path calls BLAS: a batch of decode items skips holding it to one thread.
+    no_blas = num_tokens == seq_lens.shape[0] and decode_heads > 0
     try:
-        with _single_threaded_blas():
+        with contextlib.nullcontext() if no_blas else _single_threaded_blas():
             _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
                            _cache_bits(value_cache), out.numpy(), block_tables.contiguous().numpy(), cu, seq_lens,
-                           item_seq, item_t0, tile_tokens, _FORMATS[key_cache.dtype], f32(scale), step_keys, *scratch)
+                           item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),
+                           step_keys, *scratch)
     finally:
-        numba.set_parallel_chunksize(previous)
+        if previous is not None:
+            numba.set_parallel_chunksize(previous)
         # numba's OpenMP layer shares libgomp with torch, and starting it sets the
         # process-wide OpenMP thread count to NUMBA_NUM_THREADS (every core): left
         # alone, every later torch op would ignore OMP_NUM_THREADS / set_num_threads.

@@ -196,9 +196,63 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpu_bf16_low_half",
         path=CPU_KERNEL,
-        old="np.uint32(np.uint32(cache[phys, j, kvh, d]) << 16)",
-        new="np.uint32(cache[phys, j, kvh, d])",
+        old="return np.uint32(np.uint32(bits) << 16).view(np.float32)",
+        new="return np.uint32(bits).view(np.float32)",
         tests=CPU_TESTS,
-        why="cpu kernel: bf16 bits widened into the low half of an fp32 (tiny denormals) instead of the high half",
+        why="cpu kernel (both paths): bf16 bits widened into the low half of an fp32 (tiny denormals), not the high half",
+    ),
+    # The decode path (`_decode_item`: one query token, all KV heads of a
+    # sequence, plain loops) is what the engine runs for its decodes, so the
+    # classic mistakes are planted there too. Its online softmax is the shared
+    # `_softmax_step`, which cpu_softmax_without_running_max and
+    # cpu_sum_not_rescaled above already plant in both paths.
+    Mutant(
+        name="cpu_decode_no_causal_offset",
+        path=CPU_KERNEL,
+        old="kv_end = seq_len - q_len + 1  # the token sits",
+        new="kv_end = 0 + 1  # the token sits",
+        tests=CPU_TESTS,
+        why="cpu decode path: the decode query placed at position 0 (q_len - 1), not seq_len - 1: it sees key 0 only",
+    ),
+    Mutant(
+        name="cpu_decode_misses_own_token",
+        path=CPU_KERNEL,
+        old="kv_end = seq_len - q_len + 1  # the token sits",
+        new="kv_end = seq_len - q_len  # the token sits",
+        tests=CPU_TESTS,
+        why="cpu decode path: the decode attends to seq_len - 1 positions, not to the token it just wrote",
+    ),
+    Mutant(
+        name="cpu_decode_gqa_head_mapping_mod",
+        path=CPU_KERNEL,
+        old="q_rows[r, d] = query[tok, h0 * group + r, d] * scale",
+        new="q_rows[r, d] = query[tok, h0 + r // group + r % group * num_kv_heads, d] * scale",
+        tests=CPU_TESTS,
+        why="cpu decode path: KV head kvh serves query heads kvh, kvh + num_kv_heads, ... (h % num_kv_heads), "
+            "not its group kvh * group .. kvh * group + group - 1",
+    ),
+    Mutant(
+        name="cpu_decode_read_past_seq_len",
+        path=CPU_KERNEL,
+        old="keys = min(step_keys, kv_end - start)  # stops at kv_end",
+        new="keys = min(step_keys, -(-kv_end // block_size) * block_size - start)  # stops at kv_end",
+        tests=CPU_TESTS,
+        why="cpu decode path: the whole last block is read, slots past seq_len included",
+    ),
+    Mutant(
+        name="cpu_decode_no_rescale",
+        path=CPU_KERNEL,
+        old="acc[r, d] *= a",
+        new="acc[r, d] *= np.float32(1.0)",
+        tests=CPU_TESTS,
+        why="cpu decode path: the accumulator keeps earlier steps' weights when the running max grows",
+    ),
+    Mutant(
+        name="cpu_decode_assumes_contiguous_blocks",
+        path=CPU_KERNEL,
+        old="phys = table_row[blk]  # the block's physical id",
+        new="phys = table_row[0] + blk  # the block's physical id",
+        tests=CPU_TESTS,
+        why="cpu decode path: a sequence's blocks taken as consecutive ids from its first block, not from the table",
     ),
 ]

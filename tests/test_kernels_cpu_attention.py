@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -90,6 +91,83 @@ def test_every_gqa_ratio_and_block_size(ratio, block_size, dtype):
                  GQAShape(2 * ratio, 2, 16), dtype, seed=ratio)
 
 
+# Decode batches (every q_len 1) take the kernel's decode path (plain loops,
+# all KV heads of a sequence in one item, prefetches one block ahead) up to
+# DECODE_MAX_GROUP query heads per KV head, and the tiled path beyond (GQA 16
+# here). Context lengths sit around block boundaries: one token, a block but
+# one, exactly one block (the prefetch one block ahead must stop there), one
+# token past it, two blocks and one past, and a longer one.
+def decode_lens(block_size):
+    return (1, block_size - 1, block_size, block_size + 1, 2 * block_size, 2 * block_size + 1, 3 * block_size + 5)
+
+
+def check_decode(ratio, block_size, dtype, seed, head_dim=16):
+    """Both entry points on one decode batch, against the dense oracle and the reference."""
+    lens = decode_lens(block_size)
+    batch = RaggedBatch(seq_lens=lens, q_lens=(1,) * len(lens))
+    layout = scrambled_layout(lens, block_size, seed=seed)
+    shape = GQAShape(2 * ratio, 2, head_dim)
+    out = check_varlen(batch, layout, shape, dtype, seed=seed)
+    key_cache, value_cache, tables, seq_lens, _, _, qs = build_cache(batch, layout, shape, dtype, seed)
+    decode = paged_attention_decode(torch.cat(qs), key_cache, value_cache, tables, seq_lens, head_dim ** -0.5)
+    assert torch.equal(decode, out), "paged_attention_decode and paged_attention_varlen differ on a decode batch"
+
+
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8, 16))
+def test_decode_batches_every_gqa_ratio_and_block_size(ratio):
+    for block_size in (8, 16, 32):
+        check_decode(ratio, block_size, torch.float32, seed=ratio * block_size)
+
+
+def test_decode_rescales_at_every_step(monkeypatch):
+    """One cache block per softmax step and positive q and k that grow with the
+    position: each step's scores are larger than the last, so the running max
+    rises at every step and the accumulator and sum must be rescaled each time
+    (a decode path that skipped it would weigh early keys up to e^8 too much)."""
+    monkeypatch.setattr(cpa, "KV_TILE_BYTES", 1)  # rounds up to one block per step
+    g = torch.Generator().manual_seed(7)
+    growing = lambda n, h: torch.rand(n, h, 16, generator=g) * torch.linspace(1, 3, n)[:, None, None]  # noqa: E731
+    batch = RaggedBatch(seq_lens=(70, 33, 8), q_lens=(1, 1, 1))
+    for ratio in (1, 2, 4, 8):
+        check_varlen(batch, scrambled_layout(batch.seq_lens, 8, seed=ratio), GQAShape(2 * ratio, 2, 16),
+                     torch.float32, seed=ratio, scale=1.0, values=growing)
+
+
+def test_decode_batch_mixed_with_prefills_and_chunks():
+    """The engine's mixed steps: decodes (decode path) beside a prefill and a
+    chunk (tiled path) in one launch, decodes at and one past block boundaries."""
+    batch = RaggedBatch(seq_lens=(32, 64, 33, 50, 17, 1), q_lens=(1, 64, 1, 20, 1, 1))
+    for ratio in (1, 2, 4, 8, 16):
+        check_varlen(batch, scrambled_layout(batch.seq_lens, 16, seed=ratio), GQAShape(2 * ratio, 2, 32),
+                     torch.float32, seed=ratio)
+
+
+@given(ragged_batches(max_seqs=6, max_seq_len=80), st.sampled_from((1, 2, 4, 8, 16)), st.integers(1, 4),
+       st.integers(1, 3), st.sampled_from((2, 8, 64)))
+def test_plan_covers_every_query_row_once(batch, group, num_kv_heads, threads, tile_tokens):
+    """Every (sequence, query token, KV head) is in exactly one work item, for
+    decode items of all KV heads, decode items split per KV head (few decodes,
+    several threads), tiled decodes (group above DECODE_MAX_GROUP) and
+    prefill tiles; items come longest first."""
+    cu = np.array(batch.cu_seqlens_q, dtype=np.int32)
+    seq_lens = np.array(batch.seq_lens, dtype=np.int32)
+    item_seq, item_t0, item_h0, decode_heads = cpa.plan_items(cu, seq_lens, tile_tokens, num_kv_heads, group, threads)
+    assert decode_heads == 0 if group > cpa.DECODE_MAX_GROUP else decode_heads in (1, num_kv_heads)
+    covered, costs = [], []
+    for i, t0, h0 in zip(item_seq, item_t0, item_h0):
+        q_len, seq_len = batch.q_lens[i], batch.seq_lens[i]
+        if q_len == 1 and decode_heads:
+            covered += [(i, 0, h) for h in range(h0, h0 + decode_heads)]
+            costs.append(decode_heads * seq_len)  # query rows (over group) x keys
+        else:
+            t1 = min(t0 + tile_tokens, q_len)
+            covered += [(i, t, h0) for t in range(t0, t1)]
+            costs.append((t1 - t0) * (seq_len - q_len + t1))
+    expected = [(i, t, h) for i, q in enumerate(batch.q_lens) for t in range(q) for h in range(num_kv_heads)]
+    assert sorted(covered) == expected, "work items miss or repeat a (sequence, query token, KV head)"
+    assert costs == sorted(costs, reverse=True), "work items must come longest first"
+
+
 def test_large_logits_need_the_running_max():
     """Scores of several hundred: exp overflows fp32 unless each block's scores
     are taken relative to the running max. Integer q, k and a power-of-two
@@ -130,7 +208,7 @@ def test_prefills_at_the_default_tile_sizes(ratio, dtype):
                  seed=ratio)
 
 
-def test_one_and_two_threads_give_identical_bits():
+def test_one_and_two_threads_give_identical_bits(monkeypatch):
     """Each work item is computed by one thread in a fixed order, so the thread
     count changes nothing; a race on the per-thread scratch would. Enough
     items (24 sequences x 2 KV heads, hundreds of keys each) that both
@@ -142,6 +220,7 @@ def test_one_and_two_threads_give_identical_bits():
     key_cache, value_cache, tables, seq_lens, _, _, qs = build_cache(batch, layout, shape, torch.float32, 3)
     args = (torch.cat(qs), key_cache, value_cache, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
             seq_lens, 0.125)
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # the engine runs it on one (see run_varlen)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -153,6 +232,32 @@ def test_one_and_two_threads_give_identical_bits():
     finally:
         torch.set_num_threads(before)
     assert_close(one, ref.paged_attention_varlen(*args), torch.float32, "cpu kernel vs reference, 24 sequences")
+
+
+def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
+    """With 2 threads and fewer than DECODE_ITEMS_PER_THREAD decodes per
+    thread, each decode becomes one item per KV head, so both threads get
+    work; a query row's arithmetic does not depend on the split, so the bits
+    match one thread's (all KV heads in one item)."""
+    batch = RaggedBatch(seq_lens=(300, 77, 32), q_lens=(1, 1, 1))
+    layout = scrambled_layout(batch.seq_lens, 16, seed=4)
+    shape = GQAShape(8, 4, 64)
+    key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, torch.float32, 4)
+    args = (torch.cat(qs), key_cache, value_cache, tables, seq_lens, 0.125)
+    cu = np.array(batch.cu_seqlens_q, dtype=np.int32)
+    assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=2)[3] == 1, "3 decodes on 2 threads: split"
+    assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=1)[3] == 4, "1 thread: all KV heads per item"
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # the engine runs it on one (see run_varlen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_decode(*args)
+        torch.set_num_threads(2)
+        assert torch.equal(one, paged_attention_decode(*args)), "decode items split per KV head change the bits"
+    finally:
+        torch.set_num_threads(before)
+    for i in range(batch.num_seqs):
+        assert_close(one[i:i + 1], dense_causal_attention(qs[i], ks[i], vs[i], 0.125), torch.float32, f"decode {i}")
 
 
 def test_the_kernel_keeps_torchs_thread_count():
@@ -188,6 +293,7 @@ def test_a_kernel_imported_on_one_core_uses_two_threads_later():
             "seen = []\n"
             "real = numba.set_num_threads\n"
             "cpa.numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]\n"
+            "cpa.KERNEL_THREADS = 2\n"
             "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
             "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
             "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
@@ -209,6 +315,15 @@ def cases(draw, dtypes, decode_only=False):
 @given(cases((torch.float32, torch.bfloat16, torch.float16)), st.integers(0, 2**16))
 def test_ragged_batches(case, seed):
     check_varlen(*case, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8, 16))
+def test_16_bit_decode_batches(ratio, dtype):
+    """As test_decode_batches_every_gqa_ratio_and_block_size, in bf16 (widened
+    in the decode loops) and fp16 (widened a row at a time)."""
+    for block_size in (8, 16, 32):
+        check_decode(ratio, block_size, dtype, seed=ratio * block_size)
 
 
 @given(cases((torch.float32, torch.bfloat16), decode_only=True))
