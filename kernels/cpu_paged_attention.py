@@ -70,7 +70,14 @@ vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
 Threads: as many as torch uses (`torch.set_num_threads`, OMP_NUM_THREADS), so
-one setting governs both. BLAS is held to one thread while the kernel runs
+one setting governs both. numba's OpenMP layer loads the system libgomp,
+torch its own copy, so two OpenMP thread teams share the cores. An idle
+libgomp thread spins (by default for millions of cycles) before it sleeps, and
+a spinning team takes the core the other team's thread needs: with both teams
+spinning, 48 requests on 2 threads took 38.4 s instead of 5.4 s. So numba's
+team is started passive (`_passive_numba_team`): its threads sleep as soon as
+a kernel call ends. torch's team keeps spinning, which its many short ops
+need (making it passive too: about 13 s instead of 10 s for 128 requests). BLAS is held to one thread while the kernel runs
 (`_single_threaded_blas`): numba's threads are the parallelism, and an
 OpenBLAS that split each product again would put 2 x 2 threads on 2 cores.
 
@@ -119,6 +126,23 @@ def _thread_pool_size() -> None:
         os.environ["NUMBA_NUM_THREADS"] = str(os.cpu_count() or 1)
 
 
+def _passive_numba_team() -> None:
+    """Start numba's thread pool now, with its OpenMP runtime told to put idle
+    threads to sleep at once (see "Threads" above). libgomp reads
+    OMP_WAIT_POLICY once, when it is loaded: torch's copy was loaded with torch
+    (imported above) and is not affected; the variable is removed again, so
+    child processes (the multiprocess executor's workers) do not inherit it. A
+    policy the user set is left alone."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        numba_parallel._launch_threads()
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        numba_parallel._launch_threads()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
 _writable_cache_dir()
 _thread_pool_size()
 
@@ -128,10 +152,13 @@ from llvmlite import binding as llvm_binding, ir as llvm_ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
+from numba.np.ufunc import parallel as numba_parallel  # noqa: E402
 
-# Threads per kernel call (at most torch's count): 1, see run_varlen. Tests set it to 2
-# to check that a split between threads changes no bit.
-KERNEL_THREADS = 1
+_passive_numba_team()
+
+# At most this many threads per kernel call (also at most torch's count); None: no cap.
+# Tests set it to check that a split between threads changes no bit.
+KERNEL_THREADS: int | None = None
 FMT_FP32, FMT_BF16, FMT_FP16 = 0, 1, 2
 _FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
 # Query rows (tokens x heads of a group) per work item: 64 rows x head_dim 128
@@ -603,12 +630,10 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     cu = cu_seqlens_q.contiguous().numpy()
     seq_lens = seq_lens.to(torch.int32).contiguous().numpy()
     torch_threads = torch.get_num_threads()
-    # One thread, whatever torch uses: numba's OpenMP layer links the system libgomp,
-    # torch its own, so their two thread teams spin against each other on the same
-    # cores (48 requests on 2 threads: 38.4 s with both teams at 2, 5.4 s with the
-    # kernel on one). The prange still splits the work when a caller sets
-    # KERNEL_THREADS; one OpenMP runtime (a C++ kernel on torch's) would lift this.
-    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, KERNEL_THREADS))
+    # As many threads as torch uses (numba's team sleeps between calls, see "Threads"):
+    # 128 decodes of the throughput workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
+    cap = KERNEL_THREADS or torch_threads
+    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, cap))
     numba.set_num_threads(nthreads)
     item_seq, item_t0, item_h0, decode_heads = plan_items(cu, seq_lens, tile_tokens, num_kv_heads, group, nthreads)
     # Per-thread scratch, allocated once per call (not once per item, inside the

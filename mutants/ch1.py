@@ -20,6 +20,9 @@ ALLOC = "01_paged_attention/kv_cache.py"
 # mistakes, caught by its own tests against the dense oracle and the reference.
 CPU_KERNEL = "kernels/cpu_paged_attention.py"
 CPU_TESTS = ["tests/test_kernels_cpu_attention.py"]
+# The fused CPU layer ops and the oneDNN linear dispatch beside them.
+LAYER_OPS = "kernels/cpu_layer_ops.py"
+LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -254,5 +257,37 @@ MUTANTS: list[Mutant] = [
         new="phys = table_row[0] + blk  # the block's physical id",
         tests=CPU_TESTS,
         why="cpu decode path: a sequence's blocks taken as consecutive ids from its first block, not from the table",
+    ),
+    Mutant(
+        name="cpu_add_norm_of_x",
+        path=LAYER_OPS,
+        old="out[r, j] = weight[j] * (residual_out[r, j] * inv)",
+        new="out[r, j] = weight[j] * (x[r, j] * inv)",
+        tests=LAYER_TESTS,
+        why="fused add + RMSNorm scales x instead of x + residual (the sum of squares is of the sum)",
+    ),
+    Mutant(
+        name="cpu_silu_of_up",
+        path=LAYER_OPS,
+        old="out[r, j] = g / (one + _exp(-g)) * x[r, inter + j]",
+        new="out[r, j] = x[r, inter + j] / (one + _exp(-x[r, inter + j])) * g",
+        tests=LAYER_TESTS,
+        why="SiLU-and-mul with the halves swapped: silu(up) * gate",
+    ),
+    Mutant(
+        name="cpu_rope_fused_multiply_add",
+        path=LAYER_OPS,
+        old='@njit(cache=True, error_model="numpy")  # no fastmath',
+        new='@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")  # no fastmath',
+        tests=LAYER_TESTS,
+        why="rotary with contracted multiply-adds: rounds differently from the torch reference",
+    ),
+    Mutant(
+        name="cpu_packed_weight_stale",
+        path="05_mini_vllm/models/cpu_ops.py",
+        old="key = (weight.data_ptr(), weight._version, ",
+        new="key = (weight.data_ptr(), ",
+        tests=LAYER_TESTS,
+        why="the oneDNN-packed weight keyed without the version counter: a weight written in place is never repacked",
     ),
 ]

@@ -25,6 +25,9 @@ from torch import nn
 
 from mini_vllm.distributed import (get_tp_group, tensor_model_parallel_all_gather,
                                    tensor_model_parallel_all_reduce)
+from mini_vllm.kernels import cpu_layer_ops
+
+from . import cpu_ops
 
 
 def weight_shape(loaded) -> tuple[int, ...]:
@@ -68,6 +71,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)  # cast first, then scale (HF order)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if cpu_ops.fused(x, self.weight):  # one pass instead of six (kernels/cpu_layer_ops.py)
+            if residual is None:
+                return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -78,6 +85,8 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.fused(x):  # one pass instead of three (kernels/cpu_layer_ops.py)
+            return cpu_layer_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -126,7 +135,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[T, hidden] -> [T, vocab]: full logits on every rank (gathered before sampling)."""
-        logits = F.linear(hidden, self.weight)
+        logits = cpu_ops.linear(hidden, self.weight, None, self)
         if self.tp.world_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, self.tp)[:, :self.num_embeddings]

@@ -31,11 +31,11 @@ Invariants:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mini_vllm.distributed import divide, get_tp_group, tensor_model_parallel_all_reduce
 
+from . import cpu_ops
 from .layers import default_weight_loader, narrow_weight, weight_shape
 
 
@@ -71,7 +71,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_ops.linear(x, self.weight, self.bias, self)  # F.linear off the CPU
 
 
 class ColumnParallelLinear(LinearBase):
@@ -112,8 +112,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight), self.tp)
+            return cpu_ops.linear(x, self.weight, self.bias, self)
+        out = tensor_model_parallel_all_reduce(cpu_ops.linear(x, self.weight, None, self), self.tp)
         return out if self.bias is None else out + self.bias  # bias once, after the sum
 
 

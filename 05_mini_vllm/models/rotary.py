@@ -20,6 +20,10 @@ import math
 import torch
 from torch import nn
 
+from mini_vllm.kernels import cpu_layer_ops
+
+from . import cpu_ops
+
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -76,6 +80,9 @@ class RotaryEmbedding(nn.Module):
         return out.view(shape)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        if cpu_ops.fused(query):  # one pass per tensor instead of about ten (kernels/cpu_layer_ops.py)
+            return (cpu_layer_ops.rotary_embedding(positions, query, self.cos_cache, self.sin_cache, self.head_size),
+                    cpu_layer_ops.rotary_embedding(positions, key, self.cos_cache, self.sin_cache, self.head_size))
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]  # [T, 1, D/2]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

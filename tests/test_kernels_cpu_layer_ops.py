@@ -1,0 +1,170 @@
+"""The fused CPU layer ops (kernels/cpu_layer_ops.py) and the CPU dispatch of
+the model's layers (models/cpu_ops.py: oneDNN linears, fused ops), each
+against the torch code it replaces, which stays the reference."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini_vllm.kernels import cpu_layer_ops as L
+from mini_vllm.models import cpu_ops
+from mini_vllm.models.layers import ParallelLMHead, RMSNorm, SiluAndMul
+from mini_vllm.models.linear import ColumnParallelLinear, RowParallelLinear
+from mini_vllm.models.rotary import RotaryEmbedding
+
+SHAPES = [(1, 8), (7, 64), (300, 256), (33, 96)]
+
+
+def _norm_module(hidden: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(seed)))
+    return norm
+
+
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_rms_norm_matches_torch(tokens, hidden):
+    g = torch.Generator().manual_seed(tokens * hidden)
+    x, residual = torch.randn(tokens, hidden, generator=g) * 3, torch.randn(tokens, hidden, generator=g)
+    norm = _norm_module(hidden, 1)
+    with torch.no_grad():
+        ref = norm._norm(x)
+        got = L.rms_norm(x, norm.weight, norm.eps)
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6,
+                                   msg="rms_norm differs from RMSNorm._norm: wrong mean (sum / hidden), eps or weight")
+        ref_out, ref_res = norm._norm(x + residual), x + residual
+        out, res = L.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(res, ref_res), "fused_add_rms_norm must return x + residual as the new residual"
+    torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=2e-6,
+                               msg="fused_add_rms_norm must normalise x + residual, not x")
+    assert not torch.equal(out, L.rms_norm(x, norm.weight, norm.eps)), "the residual was not added before the norm"
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 4), (5, 768), (129, 100)])
+def test_silu_and_mul_matches_torch(tokens, inter):
+    x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 6
+    x[0, 0], x[-1, 1] = 100.0, -100.0  # far tails: exp clamped, silu(100) = 100, silu(-100) ~ 0
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(L.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6,
+                               msg="silu_and_mul must be silu([gate]) * [up] with gate the FIRST half")
+
+
+@pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (9, 4, 64), (40, 2, 128)])
+def test_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
+    rope = RotaryEmbedding(head_size, 512, 10000.0)
+    g = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    wide = torch.randn(tokens, 2 * heads * head_size, generator=g)
+    q = wide[:, :heads * head_size]  # a column slice, as q is of the qkv projection: rows strided
+    cos, sin = rope.cos_cache[positions][:, None, :], rope.sin_cache[positions][:, None, :]
+    got = L.rotary_embedding(positions, q, rope.cos_cache, rope.sin_cache, head_size)
+    assert torch.equal(got, rope._rotate(q, cos, sin)), \
+        "rotary_embedding differs from RotaryEmbedding._rotate (neox halves, position row, or fused multiply-add)"
+    assert torch.equal(wide[:, :heads * head_size], q), "rotary_embedding must not write its input"
+
+
+def test_bad_inputs_are_refused_by_name():
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    with pytest.raises(IndexError, match="outside the cos/sin table"):
+        L.rotary_embedding(torch.tensor([16]), torch.randn(1, 8), rope.cos_cache, rope.sin_cache, 8)
+    with pytest.raises(ValueError, match="positions must be"):
+        L.rotary_embedding(torch.tensor([1, 2]), torch.randn(1, 8), rope.cos_cache, rope.sin_cache, 8)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        L.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        L.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"\[tokens, 8\]"):
+        L.rms_norm(torch.randn(2, 6), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="one shape"):
+        L.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        L.silu_and_mul(torch.randn(2, 7))
+
+
+def test_layers_take_the_fused_path_only_where_it_applies(monkeypatch):
+    calls = []
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+        real = getattr(L, name)
+        monkeypatch.setattr(L, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    norm, act, rope = _norm_module(16, 2), SiluAndMul(), RotaryEmbedding(8, 32, 10000.0)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        norm(x), norm(x, x), act(x), rope(torch.arange(3), x, x)
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_embedding"], \
+        f"fp32 CPU inference must use the fused ops, called {calls}"
+    calls.clear()
+    with torch.inference_mode():
+        norm(x.bfloat16()), act(x.double())
+    out = norm(x)  # autograd on: the fused op has no backward
+    out.sum().backward()
+    assert calls == [] and norm.weight.grad is not None, \
+        f"bf16/fp64 and autograd must keep the torch path (fused calls: {calls})"
+
+
+def _column(n_in: int, n_out: int, bias: bool) -> ColumnParallelLinear:
+    layer = ColumnParallelLinear(n_in, n_out, bias=bias)
+    g = torch.Generator().manual_seed(n_in + n_out)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(n_out, generator=g))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_matches_f_linear(dtype):
+    layer = _column(64, 96, bias=True).to(dtype)
+    x = torch.randn(20, 64).to(dtype)
+    with torch.inference_mode():
+        got = layer(x)
+    ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * 8,
+                               msg="the packed linear must compute x @ W.T + b")
+    if cpu_ops._AVAILABLE:
+        assert getattr(layer, "_onednn_packed", None) is not None, "fp32/bf16 CPU inference must use the packed weight"
+
+
+def test_packed_weight_follows_in_place_writes():
+    """A weight written after the first call (a test zeroing a projection, a
+    reload) must be packed again: a cached copy keyed on the object alone would
+    keep computing with the old weight."""
+    layer = _column(32, 48, bias=False)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        layer(x)
+    with torch.no_grad():
+        layer.weight.zero_()
+    with torch.inference_mode():
+        assert torch.count_nonzero(layer(x)) == 0, "a stale packed weight was used after weight.zero_()"
+    with torch.no_grad():
+        layer.weight.data = torch.ones(48, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), x.sum(-1, keepdim=True).expand(4, 48), rtol=1e-5, atol=1e-5,
+                                   msg="a stale packed weight was used after weight.data was replaced")
+
+
+def test_row_parallel_and_tied_lm_head_use_the_same_dispatch():
+    row = RowParallelLinear(32, 16, bias=True)
+    head = ParallelLMHead(40, 32)
+    with torch.no_grad():
+        for t in (row.weight, row.bias, head.weight):
+            t.normal_()
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(row(x), F.linear(x, row.weight, row.bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_ops_switch_is_validated_and_honoured():
+    code = "import mini_vllm.models.cpu_ops as c; print(c.CPU_OPS, c.fused(__import__('torch').ones(1)))"
+    bad = subprocess.run([sys.executable, "-c", code], env={"MINI_VLLM_CPU_OPS": "fast", "PATH": ""},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "MINI_VLLM_CPU_OPS must be one of ('compiled', 'torch'), got 'fast'" in bad.stderr
+    off = subprocess.run([sys.executable, "-c", code], env={"MINI_VLLM_CPU_OPS": "torch", "PATH": ""},
+                         capture_output=True, text=True, check=True)
+    assert off.stdout.split() == ["torch", "False"], "MINI_VLLM_CPU_OPS=torch must turn the fused ops off"
