@@ -64,3 +64,32 @@ def test_non_ascii_stop_string_cuts_at_a_character(cycle_llm, stop, want):
                                      "(text before the first match, no replacement characters)")
     assert llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].text == want
     assert_pool_full(llm)
+
+
+def test_fast_decode_path_gives_the_tokenizers_text():
+    """The detokenizer calls the Rust tokenizer directly where that is what
+    `tokenizer.decode` does (engine/detokenizer.py:fast_decoder). On random id
+    windows (multi-byte characters cut anywhere, special tokens kept or
+    skipped) it must return exactly tokenizer.decode's text, and a tokenizer
+    that cleans up spaces must keep the slow path."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from mini_vllm.course.tiny_models import model_path
+    from mini_vllm.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+
+    tok = AutoTokenizer.from_pretrained(str(model_path("tiny-py-target")))
+    fast = fast_decoder(tok)
+    assert fast is not None, "a transformers fast tokenizer without space clean-up must get the fast path"
+    ids = tok.encode("é中😀 naïve — ∑ x² <|endoftext|> done", add_special_tokens=False) + list(tok.all_special_ids)
+    rng = random.Random(0)
+    for _ in range(300):
+        window = [rng.choice(ids + list(range(len(tok)))) for _ in range(rng.randint(0, 8))]
+        for skip in (True, False):
+            assert fast(window, skip_special_tokens=skip) == tok.decode(window, skip_special_tokens=skip), \
+                f"fast decode differs from tokenizer.decode on {window} (skip_special_tokens={skip})"
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decoder(tok) is None, "a tokenizer that cleans up spaces must keep tokenizer.decode"
+    det = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert det._fast is None

@@ -17,8 +17,29 @@ a stop string; the streamed deltas concatenate to the final text.
 """
 from __future__ import annotations
 
+try:
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+except ImportError:  # another transformers layout: always take the tokenizer's own decode
+    TokenizersBackend = None
+
 _INCOMPLETE = "\ufffd"
 _PROMPT_CONTEXT = 6  # prompt tokens kept as left context for the first output token
+
+
+def fast_decoder(tokenizer):
+    """The Rust tokenizer's own `decode(ids, skip_special_tokens=...)` where it
+    gives exactly the text of `tokenizer.decode`: a transformers fast tokenizer
+    whose `_decode` is not overridden and that cleans up no spaces (then
+    transformers' decode only converts the ids and calls it). Else None.
+    Why: the window is decoded twice per output token, and transformers'
+    wrapper costs 7 us a call against 1.5 us for the Rust call (128 requests of
+    the throughput workload: 0.28 -> 0.05 s of decoding)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (TokenizersBackend is None or backend is None or not isinstance(tokenizer, TokenizersBackend)
+            or type(tokenizer)._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return backend.decode
 
 
 class IncrementalDetokenizer:
@@ -29,6 +50,7 @@ class IncrementalDetokenizer:
         self.include_stop = getattr(params, "include_stop_str_in_output", False)
         self.min_tokens = getattr(params, "min_tokens", 0)
         self.enabled = tokenizer is not None and getattr(params, "detokenize", True)
+        self._fast = fast_decoder(tokenizer) if self.enabled else None
         ctx = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.ids: list[int] = ctx
         self.prefix_offset = 0
@@ -39,6 +61,8 @@ class IncrementalDetokenizer:
         self.hold = 0 if self.include_stop or not self.stop else max(map(len, self.stop)) - 1
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
