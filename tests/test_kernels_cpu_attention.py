@@ -220,7 +220,7 @@ def test_one_and_two_threads_give_identical_bits(monkeypatch):
     key_cache, value_cache, tables, seq_lens, _, _, qs = build_cache(batch, layout, shape, torch.float32, 3)
     args = (torch.cat(qs), key_cache, value_cache, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
             seq_lens, 0.125)
-    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # the engine runs it on one (see run_varlen)
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # at most 2, whatever the machine has
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -232,6 +232,37 @@ def test_one_and_two_threads_give_identical_bits(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert_close(one, ref.paged_attention_varlen(*args), torch.float32, "cpu kernel vs reference, 24 sequences")
+
+
+def test_plan_cache_is_built_once_per_batch_and_changes_nothing(monkeypatch):
+    """The engine passes one plan cache per step, shared by its layers: the
+    first call plans, the others reuse the plan; the output is the same bits
+    as without the cache. A cache keyed without the thread count would hand a
+    1-thread plan (all KV heads per decode item) to a 2-thread call."""
+    lens = [(40 + 29 * i) % 200 + 1 for i in range(12)]
+    batch = RaggedBatch(seq_lens=tuple(lens), q_lens=tuple(s if i % 5 == 0 else 1 for i, s in enumerate(lens)))
+    shape = GQAShape(4, 2, 32)
+    key_cache, value_cache, tables, seq_lens, _, _, qs = build_cache(
+        batch, scrambled_layout(batch.seq_lens, 16, seed=5), shape, torch.float32, 5)
+    args = (torch.cat(qs), key_cache, value_cache, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
+            seq_lens, 0.125)
+    plain = cpa.run_varlen(*args)
+    calls = []
+    real = cpa.plan_items
+    monkeypatch.setattr(cpa, "plan_items", lambda *a: calls.append(a[-1]) or real(*a))
+    cache = {}
+    for _ in range(3):
+        assert torch.equal(cpa.run_varlen(*args, plan_cache=cache), plain), "a cached plan changed the output"
+    assert len(calls) == 1, f"the plan must be built once per batch, was built {len(calls)} times"
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpa.run_varlen(*args, plan_cache=cache), plain), "2 threads with a cached plan"
+    finally:
+        torch.set_num_threads(before)
+    expected = 2 if cpa.numba.config.NUMBA_NUM_THREADS >= 2 else 1  # a new thread count, a new plan
+    assert len(calls) == expected, "a plan made for one thread count was reused for another (it splits work per thread)"
 
 
 def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
@@ -247,7 +278,7 @@ def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
     cu = np.array(batch.cu_seqlens_q, dtype=np.int32)
     assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=2)[3] == 1, "3 decodes on 2 threads: split"
     assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=1)[3] == 4, "1 thread: all KV heads per item"
-    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # the engine runs it on one (see run_varlen)
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # at most 2, whatever the machine has
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -90,10 +90,12 @@ class CpuAttentionBackend:
             slots = md.slot_mapping.long()  # index_copy_ takes int64 indices
             md._cpu_real = None if bool(real.all()) else real
             md._cpu_slots = slots if md._cpu_real is None else slots[real]
+            md._cpu_plans = {}  # the kernel's plan of this batch, made by the first layer, used by all
             md._cpu_checked = True
         check_cpu_inputs(query, key_cache, value_cache)
         write_kv_in_place(key, value, key_cache, value_cache, md._cpu_slots, md._cpu_real)
-        return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)
+        return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale,
+                          plan_cache=md._cpu_plans)
 
 
 def write_kv_in_place(key, value, key_cache, value_cache, slots, real=None) -> None:

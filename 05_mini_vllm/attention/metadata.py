@@ -32,7 +32,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
 
     def validate(self, num_blocks: int, block_size: int) -> None:
-        """Chapter 1's argument checks, once per step (not once per layer)."""
+        """Chapter 1's argument checks, once per step (not once per layer). A
+        second call for the same cache shape (the runner checks, then the cpu
+        backend, which may also be called without a runner) returns at once."""
+        if getattr(self, "_validated_for", None) == (num_blocks, block_size):
+            return
         from mini_vllm.kernels.paged_checks import check_cu_seqlens_q, check_table_entries
 
         check_cu_seqlens_q(self.cu_seqlens_q, self.seq_lens, self.num_tokens, self.seq_lens.device)
@@ -40,6 +44,7 @@ class AttentionMetadata:
         sm = self.slot_mapping
         if sm.numel() and (int(sm.min()) < -1 or int(sm.max()) >= num_blocks * block_size):
             raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_blocks * block_size})")
+        self._validated_for = (num_blocks, block_size)
 
     @property
     def num_seqs(self) -> int:
