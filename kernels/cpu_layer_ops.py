@@ -10,10 +10,14 @@ Why: written with torch ops, RMSNorm is six passes over the hidden state (add,
 pow, mean, rsqrt, two multiplies), SiLU-and-mul three, the rotation of q and k
 about ten (index, cast, chunk, four multiplies, add, sub, cat), each reading
 and writing a full tensor. Here each op reads its inputs once and writes its
-outputs once. On the 2-core machine, for a 2,048-token prefill of
-tiny-py-target (hidden 256, intermediate 768), one thread: add + RMSNorm
-0.60 -> 0.12 ms, SiLU-and-mul 1.48 -> 0.35 ms (see the test file's
-`test_fused_ops_speed_report` for the numbers of this machine).
+outputs once. `benchmarks/bench_engine_layer_ops.py` times both versions
+side by side; on the 2-core machine, tiny-py-target's shapes, one thread:
+add + RMSNorm 0.28 -> 0.13 ms, SiLU-and-mul 1.50 -> 1.03 ms, rotary of q
+0.64 -> 0.49 ms for a 2,048-token prefill, 1.3-1.4x faster for a 128-token
+decode step. On two threads torch's ops use both cores while these use one:
+the fused SiLU-and-mul and rotary are then 0.8-0.9x torch's speed on a
+2,048-token prefill, the norm and the decode-step ops still 1.3-1.45x faster;
+the engine as a whole gains at both thread counts (engine.ipynb's profile).
 
 The reference for each op is the torch code it replaces, kept in
 `mini_vllm.models.layers` / `rotary` as the path for bf16, fp16, autograd and

@@ -148,6 +148,16 @@ def test_packed_weight_follows_in_place_writes():
                                    msg="a stale packed weight was used after weight.data was replaced")
 
 
+def test_a_weight_made_under_inference_mode_takes_f_linear():
+    """Inference tensors have no version counter, so a packed copy of one could
+    go stale unnoticed: such a layer must run F.linear, not crash or pack."""
+    with torch.inference_mode():
+        layer = _column(16, 24, bias=True)
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    assert getattr(layer, "_onednn_packed", None) is None, "an inference-mode weight was packed"
+
+
 def test_row_parallel_and_tied_lm_head_use_the_same_dispatch():
     row = RowParallelLinear(32, 16, bias=True)
     head = ParallelLMHead(40, 32)

@@ -1,0 +1,101 @@
+"""The engine's fused CPU layer ops against the torch code they replace, and
+oneDNN's packed linear against F.linear, side by side in one run.
+
+vLLM counterparts: `csrc/cpu/layernorm.cpp`, `activation.cpp`,
+`pos_encoding.cpp` (the fused ops) and `dispatch_cpu_unquantized_gemm` in
+`vllm/model_executor/layers/utils.py` (oneDNN with packed weights).
+
+Shapes: tiny-py-target's (hidden 256, intermediate 768, 4 query heads of 64,
+qkv 512 wide, vocabulary 6,144), fp32, for a 2,048-token prefill step and a
+128-sequence decode step. Each op is checked against its reference first, then
+timed (best of REPEATS, the two versions alternating so background load hits
+both), after one untimed pass over everything. Printed: milliseconds and torch / fused (or F.linear / oneDNN).
+
+Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mini_vllm.kernels import cpu_layer_ops as L
+from mini_vllm.models import cpu_ops
+from mini_vllm.models.layers import RMSNorm
+from mini_vllm.models.linear import ColumnParallelLinear
+from mini_vllm.models.rotary import RotaryEmbedding
+
+REPEATS = 50
+
+
+def best_pair(ref, new) -> tuple[float, float]:
+    ref(), new()
+    a, b = [], []
+    for _ in range(REPEATS):
+        for fn, ts in ((ref, a), (new, b)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return min(a) * 1e3, min(b) * 1e3
+
+
+def rows(tokens: int) -> list[tuple[str, float, float]]:
+    g = torch.Generator().manual_seed(tokens)
+    x, r = torch.randn(tokens, 256, generator=g), torch.randn(tokens, 256, generator=g)
+    norm = RMSNorm(256)
+    gate_up = torch.randn(tokens, 1536, generator=g)
+    rope = RotaryEmbedding(64, 1024, 10000.0)
+    pos = torch.randint(0, 1024, (tokens,), generator=g)
+    q = torch.randn(tokens, 512, generator=g)[:, :256]  # a column slice of qkv, as in the model
+    gate, up = gate_up.chunk(2, dim=-1)
+
+    def torch_rope():
+        cos, sin = rope.cos_cache[pos][:, None, :], rope.sin_cache[pos][:, None, :]
+        return rope._rotate(q, cos, sin)
+
+    layers = {}
+    for name, n_in, n_out in (("qkv_proj", 256, 512), ("gate_up_proj", 256, 1536), ("down_proj", 768, 256),
+                              ("lm_head", 256, 6144)):
+        layers[name] = ColumnParallelLinear(n_in, n_out)  # built outside inference_mode, as a loaded model is
+        torch.nn.init.normal_(layers[name].weight)
+    out = []
+    with torch.inference_mode():
+        torch.testing.assert_close(L.fused_add_rms_norm(x, r, norm.weight, 1e-6)[0], norm._norm(x + r))
+        out.append(("add + RMSNorm",) + best_pair(lambda: norm._norm(x + r),
+                                                  lambda: L.fused_add_rms_norm(x, r, norm.weight, 1e-6)))
+        torch.testing.assert_close(L.silu_and_mul(gate_up), F.silu(gate) * up)
+        out.append(("SiLU-and-mul",) + best_pair(lambda: F.silu(gate) * up, lambda: L.silu_and_mul(gate_up)))
+        assert torch.equal(L.rotary_embedding(pos, q, rope.cos_cache, rope.sin_cache, 64), torch_rope())
+        out.append(("rotary (q)",) + best_pair(torch_rope,
+                                              lambda: L.rotary_embedding(pos, q, rope.cos_cache, rope.sin_cache, 64)))
+        for name, layer in layers.items():
+            n_out, n_in = layer.weight.shape
+            h = torch.randn(tokens, n_in, generator=g)
+            torch.testing.assert_close(cpu_ops.linear(h, layer.weight, None, layer), F.linear(h, layer.weight),
+                                       rtol=1e-4, atol=1e-3)
+            out.append((f"linear {name} {n_in}x{n_out}",) + best_pair(
+                lambda: F.linear(h, layer.weight), lambda: cpu_ops.linear(h, layer.weight, None, layer)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    args = ap.parse_args()
+    # One untimed pass first: the first large allocations of a process page-fault (glibc
+    # serves them with fresh mmaps until a free raises its threshold), which would be
+    # charged to whichever op happens to run first.
+    for tokens in (2048, 128):
+        rows(tokens)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for tokens in (2048, 128):
+            print(f"\n{threads} thread(s), {tokens} tokens: torch ms -> fused/oneDNN ms (torch / fused)")
+            for name, a, b in rows(tokens):
+                print(f"  {name:<28} {a:7.3f} -> {b:7.3f}  ({a / b:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
