@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_attention_math import _FASTMATH, _exp
+from .cpu_paged_attention import _FASTMATH, _exp
 
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy")

@@ -19,8 +19,6 @@ ALLOC = "01_paged_attention/kv_cache.py"
 # The compiled CPU kernel (the engine's default CPU attention) gets its own
 # mistakes, caught by its own tests against the dense oracle and the reference.
 CPU_KERNEL = "kernels/cpu_paged_attention.py"
-CPU_ITEMS = "kernels/cpu_attention_items.py"  # the per-item loops
-CPU_MATH = "kernels/cpu_attention_math.py"  # their shared arithmetic
 CPU_TESTS = ["tests/test_kernels_cpu_attention.py"]
 # The fused CPU layer ops and the oneDNN linear dispatch beside them.
 LAYER_OPS = "kernels/cpu_layer_ops.py"
@@ -126,7 +124,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_no_causal_offset",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="context_len = seq_len - q_len  # query t sits",
         new="context_len = 0  # query t sits",
         tests=CPU_TESTS,
@@ -134,7 +132,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_gqa_head_mapping_mod",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="_widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:])\n"
             "            _widen_block(value_cache, phys, kvh, keys,",
         new="_widen_block(key_cache, phys, (kvh * group) % key_cache.shape[2], keys, fmt, k_tile[c:])\n"
@@ -144,7 +142,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_read_past_seq_len",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="n = min(step_keys, kv_end - start)  # never a slot",
         new="n = min(step_keys, -(-kv_end // block_size) * block_size - start)  # never a slot",
         tests=CPU_TESTS,
@@ -152,7 +150,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_no_causal_mask",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="seen = min(n, context_len + t0 + r // group - start + 1)",
         new="seen = n",
         tests=CPU_TESTS,
@@ -160,7 +158,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_softmax_without_running_max",
-        path=CPU_MATH,
+        path=CPU_KERNEL,
         old="m_new = max(m_new, s[r, j])",
         new="m_new = max(m_new, np.float32(0.0))",
         tests=CPU_TESTS,
@@ -168,7 +166,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_no_rescale",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="acc[r, d] = acc[r, d] * alpha[r] + pv[r, d]",
         new="acc[r, d] = acc[r, d] + pv[r, d]",
         tests=CPU_TESTS,
@@ -176,7 +174,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_sum_not_rescaled",
-        path=CPU_MATH,
+        path=CPU_KERNEL,
         old="l_r = l[r] * a",
         new="l_r = l[r]",
         tests=CPU_TESTS,
@@ -184,7 +182,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_causal_misses_own_token",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="seen = min(n, context_len + t0 + r // group - start + 1)",
         new="seen = min(n, context_len + t0 + r // group - start)",
         tests=CPU_TESTS,
@@ -192,7 +190,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_assumes_contiguous_blocks",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="phys = table_row[(start + c) // block_size]",
         new="phys = table_row[0] + (start + c) // block_size",
         tests=CPU_TESTS,
@@ -200,7 +198,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_bf16_low_half",
-        path=CPU_MATH,
+        path=CPU_KERNEL,
         old="return np.uint32(np.uint32(bits) << 16).view(np.float32)",
         new="return np.uint32(bits).view(np.float32)",
         tests=CPU_TESTS,
@@ -213,7 +211,7 @@ MUTANTS: list[Mutant] = [
     # cpu_sum_not_rescaled above already plant in both paths.
     Mutant(
         name="cpu_decode_no_causal_offset",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="kv_end = seq_len - q_len + 1  # the token sits",
         new="kv_end = 0 + 1  # the token sits",
         tests=CPU_TESTS,
@@ -221,7 +219,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_decode_misses_own_token",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="kv_end = seq_len - q_len + 1  # the token sits",
         new="kv_end = seq_len - q_len  # the token sits",
         tests=CPU_TESTS,
@@ -229,7 +227,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_decode_gqa_head_mapping_mod",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="q_rows[r, d] = query[tok, h0 * group + r, d] * scale",
         new="q_rows[r, d] = query[tok, h0 + r // group + r % group * num_kv_heads, d] * scale",
         tests=CPU_TESTS,
@@ -238,7 +236,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_decode_read_past_seq_len",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="keys = min(step_keys, kv_end - start)  # stops at kv_end",
         new="keys = min(step_keys, -(-kv_end // block_size) * block_size - start)  # stops at kv_end",
         tests=CPU_TESTS,
@@ -246,7 +244,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_decode_no_rescale",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="acc[r, d] *= a",
         new="acc[r, d] *= np.float32(1.0)",
         tests=CPU_TESTS,
@@ -254,7 +252,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cpu_decode_assumes_contiguous_blocks",
-        path=CPU_ITEMS,
+        path=CPU_KERNEL,
         old="phys = table_row[blk]  # the block's physical id",
         new="phys = table_row[0] + blk  # the block's physical id",
         tests=CPU_TESTS,
