@@ -40,7 +40,7 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
                                           max_num_seqs=32, max_num_batched_tokens=256, block_size=16,
                                           kv_cache_memory_bytes=32 << 20)
 
-    # The CPU kernels compile on their first call (about 20 s the first time, then
+    # The CPU kernels compile on their first call (about 13 s in a fresh clone, then
     # read from numba's disk cache): a throwaway engine pays that before the clock starts,
     # so the statistics below are the engine's, not the compiler's.
     t0 = time.monotonic()

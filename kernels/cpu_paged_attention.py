@@ -84,9 +84,10 @@ a spinning team takes the core the other team's thread needs: with both teams
 spinning, 48 requests on 2 threads took 38.4 s instead of 5.4 s. So numba's
 team is started passive (`_passive_numba_team`): its threads sleep as soon as
 a kernel call ends. torch's team keeps spinning, which its many short ops
-need (making it passive too: about 13 s instead of 10 s for 128 requests). BLAS is held to one thread while the kernel runs
-(`_single_threaded_blas`): numba's threads are the parallelism, and an
-OpenBLAS that split each product again would put 2 x 2 threads on 2 cores.
+need (making it passive too: about 13 s instead of 10 s for 128 requests).
+BLAS is held to one thread while the kernel runs (`_single_threaded_blas`):
+numba's threads are the parallelism, and an OpenBLAS that split each
+product again would put 2 x 2 threads on 2 cores.
 
 Per call: about 25 us of fixed cost (planning, compiled: `_plan`; numba's
 argument unboxing; scratch), paid per layer and step; 50 us before the
@@ -147,14 +148,14 @@ def _passive_numba_team() -> None:
     (imported above) and is not affected; the variable is removed again, so
     child processes (the multiprocess executor's workers) do not inherit it. A
     policy the user set is left alone."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        numba_parallel._launch_threads()
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    ours = "OMP_WAIT_POLICY" not in os.environ
+    if ours:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         numba_parallel._launch_threads()
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
+        if ours:
+            del os.environ["OMP_WAIT_POLICY"]
 
 
 _writable_cache_dir()

@@ -261,8 +261,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpu_add_norm_of_x",
         path=LAYER_OPS,
-        old="out[r, j] = weight[j] * (residual_out[r, j] * inv)",
-        new="out[r, j] = weight[j] * (x[r, j] * inv)",
+        old="_norm_row(residual_out, r, weight, eps, out)",
+        new="_norm_row(x, r, weight, eps, out)",
         tests=LAYER_TESTS,
         why="fused add + RMSNorm scales x instead of x + residual (the sum of squares is of the sum)",
     ),

@@ -10,6 +10,7 @@ backends are checked against too.
 fp32 cases come first in the file: a planted mistake fails there before the
 16-bit variant of the kernel is compiled (seconds under `make mutants`).
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,6 +30,17 @@ from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_
 from test_kernels_paged_attention import BAD, BAD_VARLEN, _good, _raise_message, scrambled_layout
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch (and so the kernel) on n threads inside the block, then as before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_cache(batch, layout, shape, dtype, seed, values=None):
@@ -221,16 +233,12 @@ def test_one_and_two_threads_give_identical_bits(monkeypatch):
     args = (torch.cat(qs), key_cache, value_cache, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
             seq_lens, 0.125)
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # at most 2, whatever the machine has
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = paged_attention_varlen(*args)
-        torch.set_num_threads(2)
+    with torch_threads(2):
         for _ in range(3):
             assert torch.equal(one, paged_attention_varlen(*args)), \
                 "1 and 2 threads disagree: threads share scratch or split an item"
-    finally:
-        torch.set_num_threads(before)
     assert_close(one, ref.paged_attention_varlen(*args), torch.float32, "cpu kernel vs reference, 24 sequences")
 
 
@@ -255,12 +263,8 @@ def test_plan_cache_is_built_once_per_batch_and_changes_nothing(monkeypatch):
         assert torch.equal(cpa.run_varlen(*args, plan_cache=cache), plain), "a cached plan changed the output"
     assert len(calls) == 1, f"the plan must be built once per batch, was built {len(calls)} times"
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(cpa.run_varlen(*args, plan_cache=cache), plain), "2 threads with a cached plan"
-    finally:
-        torch.set_num_threads(before)
     expected = 2 if cpa.numba.config.NUMBA_NUM_THREADS >= 2 else 1  # a new thread count, a new plan
     assert len(calls) == expected, "a plan made for one thread count was reused for another (it splits work per thread)"
 
@@ -279,20 +283,16 @@ def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
     assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=2)[3] == 1, "3 decodes on 2 threads: split"
     assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=1)[3] == 4, "1 thread: all KV heads per item"
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # at most 2, whatever the machine has
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = paged_attention_decode(*args)
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(one, paged_attention_decode(*args)), "decode items split per KV head change the bits"
-    finally:
-        torch.set_num_threads(before)
     for i in range(batch.num_seqs):
         assert_close(one[i:i + 1], dense_causal_attention(qs[i], ks[i], vs[i], 0.125), torch.float32, f"decode {i}")
 
 
 def test_the_kernel_keeps_torchs_thread_count():
-    """numba's OpenMP layer shares libgomp with torch; its start-up sets the
+    """Where numba's OpenMP layer shares torch's libgomp, its start-up sets the
     process-wide OpenMP thread count to every core. In a fresh process (the
     start-up happens once), torch must still use the 1 thread it was set to."""
     code = ("import torch\n"

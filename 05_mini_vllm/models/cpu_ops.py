@@ -74,11 +74,16 @@ def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
     return cached[1]
 
 
+def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """What both compiled paths need: switched on, x on the CPU, no autograd graph to record."""
+    return (CPU_OPS == "compiled" and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
     """x @ weight.T (+ bias); `owner` (the layer) holds the packed weight."""
-    if (CPU_OPS == "compiled" and _AVAILABLE and x.device.type == "cpu" and x.dtype in _PACKABLE
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    if (_AVAILABLE and x.dtype in _PACKABLE and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and _compiled_path(x, weight)
             and not weight.is_inference()):  # made under inference_mode: no version counter to key a copy on
         return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -86,5 +91,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
 
 def fused(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """May a layer hand x (and its parameters) to `kernels.cpu_layer_ops`?"""
-    return (CPU_OPS == "compiled" and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
+    return x.dtype == torch.float32 and _compiled_path(x, *params)
