@@ -11,13 +11,10 @@ pow, mean, rsqrt, two multiplies), SiLU-and-mul three, the rotation of q and k
 about ten (index, cast, chunk, four multiplies, add, sub, cat), each reading
 and writing a full tensor. Here each op reads its inputs once and writes its
 outputs once. `benchmarks/bench_engine_layer_ops.py` times both versions
-side by side; on the 2-core machine, tiny-py-target's shapes, one thread:
-add + RMSNorm 0.28 -> 0.13 ms, SiLU-and-mul 1.50 -> 1.03 ms, rotary of q
-0.64 -> 0.49 ms for a 2,048-token prefill, 1.3-1.4x faster for a 128-token
-decode step. On two threads torch's ops use both cores while these use one:
-the fused SiLU-and-mul and rotary are then 0.8-0.9x torch's speed on a
-2,048-token prefill, the norm and the decode-step ops still 1.3-1.45x faster;
-the engine as a whole gains at both thread counts (engine.ipynb's profile).
+side by side; on the 2-core machine, tiny-py-target's shapes, torch -> fused
+for a 2,048-token prefill: add + RMSNorm 0.37 -> 0.16 ms on one thread, 0.16
+-> 0.09 ms on two; SiLU-and-mul 1.23 -> 0.84 and 0.62 -> 0.42 ms; rotary of q
+0.69 -> 0.59 and 0.35 -> 0.30 ms; on a 128-token decode step 1.04-1.7x.
 
 The reference for each op is the torch code it replaces, kept in
 `mini_vllm.models.layers` / `rotary` as the path for bf16, fp16, autograd and
@@ -33,17 +30,22 @@ functions check shapes and contiguity, and raise ValueError naming the argument)
   multiply-add), so it agrees exactly;
 * `rotary_embedding` raises IndexError for a position outside the cos/sin table.
 
-Threads: one. Parallel versions would only speed up these ops on prefills
-(on a 128-token decode step one thread already beats torch's two, see the
-benchmark), about 1% of a two-thread engine run by its profile.
+Threads: as many as torch uses, the rows split evenly between them (a prange;
+`use_torch_threads` sets the count before each call). The team is torch's own
+(see "Threads" in cpu_paged_attention.py), already awake from the op before,
+and the split costs little: on one thread a call takes about 2 us more than
+a plain loop's; on two threads a
+128-token SiLU-and-mul takes 19 instead of 35 us, a 2,048-token one 0.33
+instead of 0.93 ms. One thread per op, as these were first written, left the
+second core idle: 0.8-0.9x torch's two-thread ops on a prefill.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
-from .cpu_paged_attention import _FASTMATH, _exp
+from .cpu_paged_attention import _FASTMATH, _exp, use_torch_threads
 
 
 @njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")
@@ -58,39 +60,43 @@ def _norm_row(x, r, weight, eps, out):
         out[r, j] = weight[j] * (x[r, j] * inv)
 
 
-@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
+# Each op is one prange over rows (tokens): numba splits the rows into one equal
+# slice per thread. A row's arithmetic is the same whichever thread does it.
+
+@njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _rms_norm_rows(x, weight, eps, out):
-    for r in range(x.shape[0]):
+    for r in prange(x.shape[0]):
         _norm_row(x, r, weight, eps, out)
 
 
-@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _add_rms_norm_rows(x, residual, weight, eps, out, residual_out):
-    for r in range(x.shape[0]):
+    for r in prange(x.shape[0]):
         for j in range(x.shape[1]):
             residual_out[r, j] = x[r, j] + residual[r, j]
         _norm_row(residual_out, r, weight, eps, out)  # the row is still in L1: no second trip to memory
 
 
-@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _silu_and_mul_rows(x, out):
     rows, inter = out.shape
     one = np.float32(1.0)
-    for r in range(rows):
+    for r in prange(rows):
         for j in range(inter):
             g = x[r, j]
             out[r, j] = g / (one + _exp(-g)) * x[r, inter + j]
 
 
-@njit(cache=True, error_model="numpy")  # no fastmath: products rounded before the sum, as torch does
+@njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: products rounded before the sum, as torch
 def _rope_rows(positions, x, cos_cache, sin_cache, head_size, out):
     tokens, width = x.shape
     half = head_size // 2
     max_position = cos_cache.shape[0]
-    for t in range(tokens):
-        p = positions[t]
-        if p < 0 or p >= max_position:
+    for t in range(tokens):  # checked first, on the calling thread, so no worker thread raises
+        if positions[t] < 0 or positions[t] >= max_position:
             raise IndexError("rotary_embedding: a position is outside the cos/sin table")
+    for t in prange(tokens):
+        p = positions[t]
         for base in range(0, width, head_size):
             for j in range(half):
                 c, s = cos_cache[p, j], sin_cache[p, j]
@@ -126,6 +132,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     hidden = weight.shape[0]
     xs = _rows("x", x, hidden)
     out = np.empty(xs.shape, np.float32)
+    use_torch_threads()
     _rms_norm_rows(xs, _vector("weight", weight, hidden), np.float32(eps), out)
     return torch.from_numpy(out).view(x.shape)
 
@@ -138,6 +145,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if xs.shape != rs.shape:
         raise ValueError(f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
     out, res_out = np.empty(xs.shape, np.float32), np.empty(xs.shape, np.float32)
+    use_torch_threads()
     _add_rms_norm_rows(xs, rs, _vector("weight", weight, hidden), np.float32(eps), out, res_out)
     return torch.from_numpy(out).view(x.shape), torch.from_numpy(res_out).view(x.shape)
 
@@ -148,6 +156,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x's last dim must be even ([gate | up]), got {tuple(x.shape)}")
     xs = _rows("x", x)
     out = np.empty((xs.shape[0], xs.shape[1] // 2), np.float32)
+    use_torch_threads()
     _silu_and_mul_rows(xs, out)
     return torch.from_numpy(out).view(x.shape[:-1] + (x.shape[-1] // 2,))
 
@@ -163,6 +172,7 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.
         raise ValueError(f"positions must be [{x.shape[0]}], one per token, got {tuple(positions.shape)}")
     xs = _rows("x", x)
     out = np.empty(xs.shape, np.float32)
+    use_torch_threads()
     _rope_rows(positions.contiguous().numpy(), xs, _rows("cos_cache", cos_cache, head_size // 2),
                _rows("sin_cache", sin_cache, head_size // 2), head_size, out)
     return torch.from_numpy(out)

@@ -19,8 +19,8 @@ each cache block [block_size, num_kv_heads, head_dim] is then one contiguous
 read, where an item per KV head would read head_dim-sized pieces with gaps
 (the other heads' rows); with fewer decodes than `DECODE_ITEMS_PER_THREAD`
 per thread, one item per (sequence, KV head) instead, so the threads still
-share them. Items run in a `prange` handed out one at a time (chunk size 1),
-longest first, so ragged batches end balanced.
+share them. Items are sorted longest first and handed out one at a time
+from a shared counter (`_take`), so ragged batches end balanced.
 
 Two paths, both FlashAttention's loop: the sequence's keys are taken a step
 at a time, several cache blocks per step (`KV_TILE_BYTES` of fp32 keys), and
@@ -77,22 +77,24 @@ vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
 Threads: as many as torch uses (`torch.set_num_threads`, OMP_NUM_THREADS), so
-one setting governs both. numba's OpenMP layer loads the system libgomp,
-torch its own copy, so two OpenMP thread teams share the cores. An idle
-libgomp thread spins (by default for millions of cycles) before it sleeps, and
-a spinning team takes the core the other team's thread needs: with both teams
-spinning, 48 requests on 2 threads took 38.4 s instead of 5.4 s. So numba's
-team is started passive (`_passive_numba_team`): its threads sleep as soon as
-a kernel call ends. torch's team keeps spinning, which its many short ops
-need (making it passive too: about 13 s instead of 10 s for 128 requests).
+one setting governs both. numba runs a parallel loop on an OpenMP thread team.
+torch is imported first (above), and it loads its own libgomp into the
+process's global symbol scope, so numba's OpenMP layer binds to that copy:
+torch's ops, oneDNN's linears and these kernels share one team, whose idle
+threads spin for a moment between calls, so each call starts without waking
+a thread. Where numba's pool was started before torch was ever imported, it
+binds the system's libgomp instead, a second team on the same cores; an idle
+libgomp thread spins (by default for millions of cycles) before it sleeps,
+and a spinning team holds the cores the other team's threads need. That
+team is therefore started passive (`_passive_numba_team`): its threads sleep
+as soon as a call ends.
 BLAS is held to one thread while the kernel runs (`_single_threaded_blas`):
 numba's threads are the parallelism, and an OpenBLAS that split each
 product again would put 2 x 2 threads on 2 cores.
 
 Per call: about 25 us of fixed cost (planning, compiled: `_plan`; numba's
 argument unboxing; scratch), paid per layer and step; 50 us before the
-planner was compiled, BLAS left alone for batches that do not call it and
-the chunk size left alone on one thread.
+planner was compiled and BLAS left alone for batches that do not call it.
 
 One file on purpose: numba's disk cache checks only the timestamp of the
 file that defines a cached function, not of the files its callees come
@@ -551,26 +553,47 @@ def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int,
     return item_seq[order], item_t0[order], item_h0[order], decode_heads
 
 
+@intrinsic
+def _take(typingctx, counter):
+    """Atomically add 1 to counter[0] and return its old value: the next work
+    item's index, never the same for two threads. numba has no atomics of its
+    own, so this emits LLVM's `atomicrmw add` (x86 `lock xadd`)."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        one = llvm_ir.Constant(llvm_ir.IntType(64), 1)
+        return builder.atomic_rmw("add", array.data, one, "monotonic")
+    return types.int64(counter), codegen
+
+
 @njit(cache=True, parallel=True)
 def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_q, seq_lens, item_seq, item_t0,
-                   item_h0, tile_tokens, decode_heads, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf,
-                   k_tile, v_tile):
-    """Every work item in one prange; scratch arrays have one slice per thread.
-    A decode takes the BLAS-free path, any other item the tiled one."""
+                   item_h0, tile_tokens, decode_heads, fmt, scale, step_keys, counter, q_tile, acc, m, l, alpha, s_buf,
+                   pv_buf, k_tile, v_tile):
+    """One prange iteration per thread (scratch slice w); each takes the next
+    unstarted item from the shared counter until none is left. A decode takes
+    the BLAS-free path, any other item the tiled one.
+    Why not a prange over the items: numba's OpenMP layer gives each thread
+    one equal slice of a prange, whatever `set_parallel_chunksize` says, so the
+    thread with the first half of a longest-first list did most of the work
+    (2 threads: a 2,048-token prefill 1.34x faster than 1 thread; 1.9x with the
+    counter)."""
     group = query.shape[1] // key_cache.shape[2]
-    for it in prange(item_seq.shape[0]):
-        i, t0, h0 = item_seq[it], item_t0[it], item_h0[it]
-        q_start = cu_seqlens_q[i]
-        q_len = cu_seqlens_q[i + 1] - q_start
-        tid = numba.get_thread_id()
-        if q_len == 1 and decode_heads > 0:
-            _decode_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_len, q_start, h0,
-                         h0 + decode_heads, group, fmt, scale, step_keys, q_tile[tid], acc[tid], m[tid], l[tid],
-                         s_buf[tid], k_tile[tid, :2], v_tile[tid, :2])
-        else:
-            _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
-                         t0, min(t0 + tile_tokens, q_len), h0, group, fmt, scale, step_keys, q_tile[tid], acc[tid],
-                         m[tid], l[tid], alpha[tid], s_buf[tid], pv_buf[tid], k_tile[tid], v_tile[tid])
+    num_items = item_seq.shape[0]
+    for w in prange(q_tile.shape[0]):
+        it = _take(counter)
+        while it < num_items:
+            i, t0, h0 = item_seq[it], item_t0[it], item_h0[it]
+            q_start = cu_seqlens_q[i]
+            q_len = cu_seqlens_q[i + 1] - q_start
+            if q_len == 1 and decode_heads > 0:
+                _decode_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_len, q_start, h0,
+                             h0 + decode_heads, group, fmt, scale, step_keys, q_tile[w], acc[w], m[w], l[w],
+                             s_buf[w], k_tile[w, :2], v_tile[w, :2])
+            else:
+                _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
+                             t0, min(t0 + tile_tokens, q_len), h0, group, fmt, scale, step_keys, q_tile[w], acc[w],
+                             m[w], l[w], alpha[w], s_buf[w], pv_buf[w], k_tile[w], v_tile[w])
+            it = _take(counter)
 
 
 _blas_libraries = None  # threadpoolctl's handles on the process's BLAS libraries, found on first use
@@ -607,6 +630,15 @@ def _single_threaded_blas():
     finally:
         for lib, threads in changed:
             lib.set_num_threads(threads)
+
+
+def use_torch_threads(cap: int | None = None) -> int:
+    """Set numba's thread count for this thread's next parallel calls to torch's
+    (at most numba's pool, and at most `cap`), and return it."""
+    torch_threads = torch.get_num_threads()
+    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, cap or torch_threads))
+    numba.set_num_threads(nthreads)
+    return nthreads
 
 
 def _cache_bits(cache: torch.Tensor) -> np.ndarray:
@@ -647,11 +679,9 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     tile_tokens = max(1, TILE_ROWS // group)
     step_keys = block_size * max(1, KV_TILE_BYTES // (4 * head_dim) // block_size)
     torch_threads = torch.get_num_threads()
-    # As many threads as torch uses (numba's team sleeps between calls, see "Threads"):
-    # 128 decodes of the throughput workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
-    cap = KERNEL_THREADS or torch_threads
-    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, cap))
-    numba.set_num_threads(nthreads)
+    # As many threads as torch uses (see "Threads"): 128 decodes of the throughput
+    # workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
+    nthreads = use_torch_threads(KERNEL_THREADS)
     key = (tile_tokens, num_kv_heads, group, nthreads)
     plan = plan_cache.get(key) if plan_cache is not None else None
     if plan is None:
@@ -674,10 +704,7 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
                np.empty((nthreads, step_keys, head_dim), f32), np.empty((nthreads, step_keys, head_dim), f32))  # K, V
     fp32 = query.dtype == torch.float32
     out = torch.empty_like(query) if fp32 else torch.empty(query.shape, dtype=torch.float32)
-    # Items are handed out one at a time, not in equal slices (with one thread there
-    # is nothing to hand out). Set here, not in the kernel: numba cannot cache a
-    # function that sets it (a ctypes global).
-    previous = numba.set_parallel_chunksize(1) if nthreads > 1 else None
+    counter = np.zeros(1, np.int64)  # the next item to hand out (_take)
     # Only the tiled path calls BLAS: a batch of decode items skips holding it to one thread.
     no_blas = num_tokens == seq_lens.shape[0] and decode_heads > 0
     try:
@@ -685,10 +712,8 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
             _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
                            _cache_bits(value_cache), out.numpy(), tables, cu, seq_lens,
                            item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),
-                           step_keys, *scratch)
+                           step_keys, counter, *scratch)
     finally:
-        if previous is not None:
-            numba.set_parallel_chunksize(previous)
         # Where numba's OpenMP runtime is torch's own (a torch built against the
         # system libgomp), starting numba's team sets the process-wide OpenMP thread
         # count to NUMBA_NUM_THREADS (every core): left alone, every later torch op

@@ -15,6 +15,7 @@ from mini_vllm.models import cpu_ops
 from mini_vllm.models.layers import ParallelLMHead, RMSNorm, SiluAndMul
 from mini_vllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from mini_vllm.models.rotary import RotaryEmbedding
+from test_kernels_cpu_attention import torch_threads
 
 SHAPES = [(1, 8), (7, 64), (300, 256), (33, 96)]
 
@@ -65,6 +66,33 @@ def test_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
     assert torch.equal(got, rope._rotate(q, cos, sin)), \
         "rotary_embedding differs from RotaryEmbedding._rotate (neox halves, position row, or fused multiply-add)"
     assert torch.equal(wide[:, :heads * head_size], q), "rotary_embedding must not write its input"
+
+
+def test_two_threads_give_one_threads_bits():
+    """Each op splits its rows between torch's threads; a row's arithmetic is
+    the same whichever thread does it, so 2 threads give 1 thread's bits. A
+    split that skipped or repeated a slice of rows, or a worker reading the
+    wrong row, would differ (300 rows: both threads get some)."""
+    g = torch.Generator().manual_seed(11)
+    x, residual = torch.randn(300, 256, generator=g), torch.randn(300, 256, generator=g)
+    weight = torch.randn(256, generator=g)
+    gate_up = torch.randn(300, 2 * 96, generator=g)
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (300,), generator=g)
+    calls = {
+        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
+        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
+        "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
+    }
+    for name, call in calls.items():
+        with torch_threads(1):
+            one = call()
+        with torch_threads(2):
+            two = call()
+        for a, b in zip(one, two):
+            assert torch.equal(a, b), \
+                f"{name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
 
 
 def test_bad_inputs_are_refused_by_name():
