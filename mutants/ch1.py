@@ -277,8 +277,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpu_rope_fused_multiply_add",
         path=LAYER_OPS,
-        old='@njit(cache=True, error_model="numpy")  # no fastmath',
-        new='@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")  # no fastmath',
+        old='@njit(cache=True, parallel=True, error_model="numpy")  # no fastmath',
+        new='@njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")  # no fastmath',
         tests=LAYER_TESTS,
         why="rotary with contracted multiply-adds: rounds differently from the torch reference",
     ),
