@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
 
+# The kernel module first: it sizes numba's thread pool, which must happen before numba is imported.
 from .cpu_paged_attention import _FASTMATH, _exp, use_torch_threads
+from numba import njit, prange  # noqa: E402
 
 
 @njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")

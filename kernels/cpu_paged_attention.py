@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 
@@ -139,8 +140,11 @@ def _thread_pool_size() -> None:
     kernel is first imported and widened later (a benchmark's 1-thread phase,
     then its 2-thread phase) would keep a 1-thread pool for good. So the pool
     gets every CPU of the machine; each call still uses only as many threads
-    as torch does."""
-    if "NUMBA_NUM_THREADS" not in os.environ:
+    as torch does. Only before numba is imported: numba reads the size then,
+    checks it against the environment again on later compiles, and refuses a
+    size that changed after its pool started (a process that imported numba
+    first keeps the pool of the CPUs it had then)."""
+    if "NUMBA_NUM_THREADS" not in os.environ and "numba.core.config" not in sys.modules:
         os.environ["NUMBA_NUM_THREADS"] = str(os.cpu_count() or 1)
 
 

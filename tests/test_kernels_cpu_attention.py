@@ -336,6 +336,35 @@ def test_a_kernel_imported_on_one_core_uses_two_threads_later():
                                           "numba's pool kept the size of the affinity it was imported under")
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to pin to one of them")
+@pytest.mark.parametrize("first,wide", [("import numba", 1), ("from mini_vllm.kernels import cpu_layer_ops", 2)])
+def test_numba_imported_before_the_kernel_on_one_core(first, wide):
+    """If numba has read its configuration (a pool of 1 on one core) before
+    the kernel module widens the pool, numba re-checks its configuration on a
+    later compile and refuses the changed size: the first parallel layer op (a
+    pinned server's first request) raised instead of running, when
+    cpu_layer_ops imported numba before the kernel module. With numba
+    imported first by the user the pool keeps its size (and still runs); with
+    cpu_layer_ops first it must get every CPU."""
+    code = ("import os, torch\n"
+            "os.sched_setaffinity(0, {0})\n"
+            f"{first}\n"
+            "from mini_vllm.kernels import cpu_layer_ops as L\n"
+            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
+            "import numba\n"
+            "os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
+            "torch.set_num_threads(2)\n"
+            "L.rms_norm(torch.randn(8, 16), torch.ones(16), 1e-6)\n"
+            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
+            "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
+            "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "print(numba.config.NUMBA_NUM_THREADS)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, "a parallel op failed after numba was imported on one core:\n" + out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= wide, "numba's pool kept the size of the affinity it was imported under"
+
+
 @st.composite
 def cases(draw, dtypes, decode_only=False):
     batch = draw(ragged_batches(max_seqs=4, max_seq_len=56, decode_only=decode_only))
