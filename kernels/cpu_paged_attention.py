@@ -158,11 +158,17 @@ def _passive_numba_team() -> None:
     ours = "OMP_WAIT_POLICY" not in os.environ
     if ours:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    torch_threads = torch.get_num_threads()
     try:
         numba_parallel._launch_threads()
     finally:
         if ours:
             del os.environ["OMP_WAIT_POLICY"]
+        # Where numba's OpenMP layer is torch's libgomp (see "Threads"), starting its pool
+        # sets this thread's OpenMP thread count to the pool's size (every core): a process
+        # started with OMP_NUM_THREADS=1 would run every later torch op on all cores.
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 _writable_cache_dir()

@@ -310,6 +310,32 @@ def test_the_kernel_keeps_torchs_thread_count():
                                           "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
 
 
+def test_importing_the_kernels_keeps_omp_num_threads():
+    """A process started with OMP_NUM_THREADS=1 (as `bench_serving.py` starts the
+    server) and no set_num_threads call: importing the layer ops starts numba's
+    pool, which set the importing thread's OpenMP count to every core, and every
+    later torch op (the linears) ran on all cores, 2 threads on 1 pinned core in
+    the server. torch must still use 1 thread after the import, a layer op and
+    a kernel call."""
+    code = ("import torch\n"
+            "from mini_vllm.kernels import cpu_layer_ops as L\n"
+            "seen = [torch.get_num_threads()]\n"
+            "L.silu_and_mul(torch.randn(8, 16)); seen.append(torch.get_num_threads())\n"
+            "from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode\n"
+            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
+            "paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
+            "                       torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "seen.append(torch.get_num_threads())\n"
+            "print(*seen)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")  # NUMBA_NUM_THREADS: as on any machine with 2+ cores
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "1", "1"], (
+        f"torch's thread counts after import / layer op / kernel call: {out.stdout.split()}, not 1 as "
+        "OMP_NUM_THREADS says: numba's pool start-up overrode it")
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to widen the affinity")
 def test_a_kernel_imported_on_one_core_uses_two_threads_later():
     """numba fixes its pool size at import. A process pinned to one core when it
