@@ -10,7 +10,8 @@ cache each, enough that neither preempts; max_num_seqs 128; a 2,048-token step
 budget; prefix caching off, since every run repeats the same prompts) and the same cores: this process is pinned to the cores vLLM's OpenMP
 threads are bound to. vLLM runs in its default configuration (compiled, its
 engine core in a separate process) through `vllm_runner.py --session`, so its
-start-up is paid once and its runs interleave with the engine's. Before timing,
+start-up is paid once and its runs interleave with the engine's, each after a
+rest of SETTLE_S seconds (vLLM's processes keep working a while after a run). Before timing,
 the first 64 requests run through both with logprobs and must agree token for
 token (up to vLLM's own near-ties, see vllm_diff.py); every timed run then also
 counts how many of the 256 requests came out identical. Reported per thread
@@ -50,6 +51,11 @@ GOAL = 3.0
 SETTINGS = dict(block_size=32, kv_cache_memory_bytes=1 << 30, max_num_seqs=128, max_num_batched_tokens=2048,
                 enable_prefix_caching=False)
 CHECKED = 64  # requests compared with logprobs (near-tie rule) before timing
+# Seconds of rest before each timed run. vLLM's worker process keeps working after a
+# run returns (and after start-up): on the 2-core machine it used 1.0 s of CPU in the
+# 5 s after a 2-thread run, then 0.1 s per 10 s. Without the rest that work lands in
+# the course engine's run, which always follows vLLM's. The same rest precedes both.
+SETTLE_S = 5.0
 
 
 def engine_run(reqs, llm=None, **kw) -> tuple[float, list[list[int]]]:
@@ -89,8 +95,10 @@ def side_by_side(reqs, threads: int, runs: int, llm) -> float:
               "compared, the rest after vLLM near-ties): timing")
         t_v, t_m, same = [], [], []
         for r in range(runs):
+            time.sleep(SETTLE_S)
             res = vs.run(phase(f"run{r}", reqs))
             t_v.append(res["wall_s"])
+            time.sleep(SETTLE_S)
             t, toks = engine_run(reqs, llm)
             t_m.append(t)
             same.append(sum(o["outputs"][0]["token_ids"] == g for o, g in zip(res["results"], toks)))
