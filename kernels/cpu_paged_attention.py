@@ -697,7 +697,6 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     group = num_heads // num_kv_heads
     tile_tokens = max(1, TILE_ROWS // group)
     step_keys = block_size * max(1, KV_TILE_BYTES // (4 * head_dim) // block_size)
-    torch_threads = torch.get_num_threads()
     # As many threads as torch uses (see "Threads"): 128 decodes of the throughput
     # workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
     nthreads = use_torch_threads(KERNEL_THREADS)
@@ -726,19 +725,11 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     counter = np.zeros(1, np.int64)  # the next item to hand out (_take)
     # Only the tiled path calls BLAS: a batch of decode items skips holding it to one thread.
     no_blas = num_tokens == seq_lens.shape[0] and decode_heads > 0
-    try:
-        with contextlib.nullcontext() if no_blas else _single_threaded_blas():
-            _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
-                           _cache_bits(value_cache), out.numpy(), tables, cu, seq_lens,
-                           item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),
-                           step_keys, counter, *scratch)
-    finally:
-        # Where numba's OpenMP runtime is torch's own (a torch built against the
-        # system libgomp), starting numba's team sets the process-wide OpenMP thread
-        # count to NUMBA_NUM_THREADS (every core): left alone, every later torch op
-        # would ignore OMP_NUM_THREADS / set_num_threads.
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)
+    with contextlib.nullcontext() if no_blas else _single_threaded_blas():
+        _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
+                       _cache_bits(value_cache), out.numpy(), tables, cu, seq_lens,
+                       item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),
+                       step_keys, counter, *scratch)
     return out if fp32 else out.to(query.dtype)
 
 
