@@ -34,10 +34,10 @@ Threads: as many as torch uses, the rows split evenly between them (a prange;
 `use_torch_threads` sets the count before each call). The team is torch's own
 (see "Threads" in cpu_paged_attention.py), already awake from the op before,
 and the split costs little: on one thread a call takes about 2 us more than
-a plain loop's; on two threads a
-128-token SiLU-and-mul takes 19 instead of 35 us, a 2,048-token one 0.33
-instead of 0.93 ms. One thread per op, as these were first written, left the
-second core idle: 0.8-0.9x torch's two-thread ops on a prefill.
+a plain loop's; on two threads a 128-token SiLU-and-mul takes 19 instead of
+35 us, a 2,048-token one 0.33 instead of 0.93 ms. One thread per op, as these
+were first written, left the second core idle: 0.8-0.9x torch's two-thread
+ops on a prefill.
 """
 from __future__ import annotations
 

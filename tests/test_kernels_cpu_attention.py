@@ -291,23 +291,38 @@ def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
         assert_close(one[i:i + 1], dense_causal_attention(qs[i], ks[i], vs[i], 0.125), torch.float32, f"decode {i}")
 
 
+# The fresh-process tests below: each starts numba's pool once, in a new interpreter.
+# TINY_DECODE is a small kernel call for their code (with cpa imported).
+TINY_DECODE = ("kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
+               "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc,\n"
+               "                           torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
+               "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n")
+
+
+def run_fresh(code: str, failure: str, **env: str) -> list[str]:
+    """Run `code` in a fresh interpreter, with this process's OMP_NUM_THREADS and
+    NUMBA_NUM_THREADS removed and `env` added; returns the words it printed.
+    `failure` names the bug a non-zero exit means."""
+    full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+    assert out.returncode == 0, f"{failure}:\n" + out.stderr[-2000:]
+    return out.stdout.split()
+
+
 def test_the_kernel_keeps_torchs_thread_count():
     """Where numba's OpenMP layer shares torch's libgomp, its start-up sets the
     process-wide OpenMP thread count to every core. In a fresh process (the
     start-up happens once), torch must still use the 1 thread it was set to."""
     code = ("import torch\n"
             "torch.set_num_threads(1)\n"
-            "from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode\n"
-            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
-            "paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
-            "                       torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
+            + TINY_DECODE +
             "print(torch.get_num_threads())\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    env["NUMBA_NUM_THREADS"] = "2"  # as on any machine with 2 or more cores, pinned or not
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "1", (f"after the kernel's first call torch uses {out.stdout.split()[-1]} threads, "
-                                          "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
+    # NUMBA_NUM_THREADS=2: as on any machine with 2 or more cores, pinned or not
+    seen = run_fresh(code, "the kernel failed in a fresh process", NUMBA_NUM_THREADS="2")
+    assert seen[-1] == "1", (f"after the kernel's first call torch uses {seen[-1]} threads, "
+                             "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
 
 
 def test_importing_the_kernels_keeps_omp_num_threads():
@@ -321,18 +336,14 @@ def test_importing_the_kernels_keeps_omp_num_threads():
             "from mini_vllm.kernels import cpu_layer_ops as L\n"
             "seen = [torch.get_num_threads()]\n"
             "L.silu_and_mul(torch.randn(8, 16)); seen.append(torch.get_num_threads())\n"
-            "from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode\n"
-            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
-            "paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
-            "                       torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
+            + TINY_DECODE +
             "seen.append(torch.get_num_threads())\n"
             "print(*seen)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")  # NUMBA_NUM_THREADS: as on any machine with 2+ cores
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1", "1", "1"], (
-        f"torch's thread counts after import / layer op / kernel call: {out.stdout.split()}, not 1 as "
+    seen = run_fresh(code, "the layer ops or the kernel failed in a fresh process",
+                     OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
+    assert seen == ["1", "1", "1"], (
+        f"torch's thread counts after import / layer op / kernel call: {seen}, not 1 as "
         "OMP_NUM_THREADS says: numba's pool start-up overrode it")
 
 
@@ -351,15 +362,11 @@ def test_a_kernel_imported_on_one_core_uses_two_threads_later():
             "real = numba.set_num_threads\n"
             "cpa.numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]\n"
             "cpa.KERNEL_THREADS = 2\n"
-            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
-            "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
-            "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            + TINY_DECODE +
             "print(seen[-1])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "2", (f"the kernel ran on {out.stdout.split()[-1]} thread(s) with torch at 2: "
-                                          "numba's pool kept the size of the affinity it was imported under")
+    seen = run_fresh(code, "the kernel failed after its process was widened to 2 cores")
+    assert seen[-1] == "2", (f"the kernel ran on {seen[-1]} thread(s) with torch at 2: "
+                             "numba's pool kept the size of the affinity it was imported under")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to pin to one of them")
@@ -381,14 +388,10 @@ def test_numba_imported_before_the_kernel_on_one_core(first, wide):
             "os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
             "torch.set_num_threads(2)\n"
             "L.rms_norm(torch.randn(8, 16), torch.ones(16), 1e-6)\n"
-            "kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
-            "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
-            "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n"
+            + TINY_DECODE +
             "print(numba.config.NUMBA_NUM_THREADS)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, "a parallel op failed after numba was imported on one core:\n" + out.stderr[-2000:]
-    assert int(out.stdout.split()[-1]) >= wide, "numba's pool kept the size of the affinity it was imported under"
+    seen = run_fresh(code, "a parallel op failed after numba was imported on one core")
+    assert int(seen[-1]) >= wide, "numba's pool kept the size of the affinity it was imported under"
 
 
 @st.composite
