@@ -266,10 +266,15 @@ def child_request_id(parent_request_id: str, index: int) -> str:
 
 
 def _child_params(sp, index: int):
-    """A child's sampling params: n = 1, and seed + index so seeded siblings differ."""
+    """A child's sampling params: n = 1, and seed + index so seeded siblings differ.
+
+    The sum wraps around within int64 (a seed's range): a parent seeded with
+    2**63 - 1 must not give a child a seed its own params reject. torch seeds
+    a generator with the value modulo 2**64, so the wrapped seed draws what
+    vLLM's unwrapped seed + index draws."""
     import dataclasses
 
     changes = {"n": 1}
     if getattr(sp, "seed", None) is not None:
-        changes["seed"] = sp.seed + index
+        changes["seed"] = (sp.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
     return dataclasses.replace(sp, **changes)

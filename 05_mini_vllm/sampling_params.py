@@ -7,16 +7,18 @@ working on engine requests unchanged.
 
 Invariants after construction (each violation is a ValueError naming the
 field and its allowed range, checked once here so the sampler never has to):
-- n >= 1; temperature >= 0; 0 < top_p <= 1; top_k == -1 or top_k >= 0
-  (-1 and 0 both disable top-k; -1 is stored as 0); 0 <= min_p <= 1;
-  presence/frequency penalties in [-2, 2]; repetition_penalty > 0;
-  max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs and
-  prompt_logprobs None or >= 0; seed None or an int; `stop` and `bad_words`
-  are lists of non-empty strings; logit_bias maps int token ids to finite
-  biases, clamped to [-100, 100] (vLLM's range); allowed_token_ids is None or
-  a non-empty list of ids >= 0; structured_outputs is None or a
-  `StructuredOutputsParams` with exactly one constraint. Token ids are checked
-  against the vocabulary by the engine, which knows it.
+- 1 <= n <= MAX_N_SEQUENCES; 0 <= temperature <= 2; 0 < top_p <= 1;
+  top_k == -1 or top_k >= 0 (-1 and 0 both disable top-k; -1 is stored as 0);
+  0 <= min_p <= 1; presence/frequency penalties in [-2, 2];
+  repetition_penalty > 0; max_tokens >= 1; 0 <= min_tokens <= max_tokens;
+  logprobs and prompt_logprobs None or >= 0; seed None or an int64 (what
+  torch's generators and vLLM's API take); `stop` and `bad_words` are lists
+  of non-empty strings that UTF-8 can encode (no lone surrogates);
+  logit_bias maps int token ids to finite biases, clamped to [-100, 100]
+  (vLLM's range); allowed_token_ids is None or a non-empty list of ids >= 0;
+  structured_outputs is None or a `StructuredOutputsParams` with exactly one
+  constraint. Token ids are checked against the vocabulary by the engine,
+  which knows it.
 - n > 1 needs sampling: greedy samples would all be the same (vLLM rejects it).
 - skip_reading_prefix_cache defaults to `prompt_logprobs is not None`, as in
   vLLM: cached blocks have no logits, so such a request computes its whole
@@ -36,6 +38,21 @@ from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
+# vLLM's ranges (vllm/sampling_params.py): temperature in [0, 2] as in OpenAI's API,
+# n up to VLLM_MAX_N_SEQUENCES (each sample is a request of its own), seeds in int64.
+MAX_TEMPERATURE = 2.0
+MAX_N_SEQUENCES = 16384
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def check_encodable(name: str, text: str) -> None:
+    """ValueError naming `name` when `text` holds a lone surrogate (JSON's "\\ud800"
+    escape decodes to one): it is not Unicode text, and no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid Unicode text; it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}, which UTF-8 cannot encode") from None
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -141,10 +158,11 @@ class SamplingParams(SchedulerSamplingParams):
     # Inherited: max_tokens=16, stop_token_ids=(), ignore_eos=False.
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        _check_range("temperature", self.temperature, self.temperature >= 0 if _is_number(self.temperature) else False,
-                     "a number >= 0 (0 means greedy)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N_SEQUENCES:
+            raise ValueError(f"n must be an int in [1, {MAX_N_SEQUENCES}], got {self.n!r}")
+        _check_range("temperature", self.temperature,
+                     0 <= self.temperature <= MAX_TEMPERATURE if _is_number(self.temperature) else False,
+                     f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         _check_range("top_p", self.top_p, 0 < self.top_p <= 1 if _is_number(self.top_p) else False,
                      "in (0, 1] (1 disables top-p)")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -166,8 +184,8 @@ class SamplingParams(SchedulerSamplingParams):
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
         self._check_token_controls()
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be None or an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {self.seed!r}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -176,6 +194,8 @@ class SamplingParams(SchedulerSamplingParams):
             self.stop = list(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        for s in self.stop:
+            check_encodable("stop", s)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         super().__post_init__()  # normalises stop_token_ids to a tuple
@@ -216,6 +236,8 @@ class SamplingParams(SchedulerSamplingParams):
             words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            for w in words:
+                check_encodable("bad_words", w)
             self.bad_words = list(dict.fromkeys(words))
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +17,9 @@ from engine_utils import target_path
 
 SERVED_NAME = "tiny"
 API_KEY = "sk-test-key"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+# Renders the request's tools (vLLM hands them to the template with tool_choice "none").
+TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 SERVER_KV = 16 << 20  # 16 MiB: ~200 blocks of 16 tokens
 
@@ -28,13 +31,20 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, startup_timeout: float = 90.0, model: str | None = None) -> None:
+    """`fault`: a fault planted in the engine (see fault_server.py), or None for the
+    plain `python -m mini_vllm serve`."""
+
+    def __init__(self, *extra: str, startup_timeout: float = 90.0, model: str | None = None,
+                 fault: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/mini_vllm_server_{self.port}.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("MINI_VLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "mini_vllm", "serve", model or target_path(), "--port", str(self.port),
+        launcher = ["-m", "mini_vllm"] if fault is None else [str(Path(__file__).with_name("fault_server.py"))]
+        if fault is not None:
+            env["MINI_VLLM_TEST_FAULT"] = fault
+        cmd = [sys.executable, *launcher, "serve", model or target_path(), "--port", str(self.port),
                "--served-model-name", SERVED_NAME, "--device", "cpu", "--kv-cache-memory-bytes",
                str(SERVER_KV), "--chat-template", TEMPLATE, "--log-level", "warning", *extra]
         self._log = open(self.log_path, "w")

@@ -31,9 +31,9 @@ def test_is_a_scheduler_sampling_params():
 
 # (field, bad value, words the message must contain: field name and allowed range)
 BAD = [
-    ("n", 0, ">= 1"), ("n", 1.0, ">= 1"), ("n", True, ">= 1"),
-    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("temperature", math.inf, ">= 0"),
-    ("temperature", "1", ">= 0"),
+    ("n", 0, "[1, 16384]"), ("n", 1.0, "[1, 16384]"), ("n", True, "[1, 16384]"), ("n", 16385, "[1, 16384]"),
+    ("temperature", -0.1, "[0, 2]"), ("temperature", math.nan, "[0, 2]"), ("temperature", math.inf, "[0, 2]"),
+    ("temperature", "1", "[0, 2]"), ("temperature", 2.01, "[0, 2]"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", -0.5, "(0, 1]"),
     ("top_k", -2, ">= 1"), ("top_k", 2.5, ">= 1"), ("top_k", -100, ">= 1"),
     ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
@@ -44,6 +44,9 @@ BAD = [
     ("min_tokens", -1, "[0, max_tokens=16]"), ("min_tokens", 17, "[0, max_tokens=16]"),
     ("logprobs", -1, ">= 0"), ("logprobs", 1.5, ">= 0"),
     ("seed", 1.5, "int"), ("seed", "7", "int"),
+    # torch's generators and vLLM's API take int64 seeds; a bigger one killed the engine in a step
+    ("seed", 2 ** 63, "int64"), ("seed", -(2 ** 63) - 1, "int64"), ("seed", 2 ** 70, "int64"),
+    ("stop", ["ok\ud800"], "lone surrogate"), ("bad_words", ["\udfff"], "lone surrogate"),
     ("stop", [""], "non-empty"), ("stop", ["ok", 3], "non-empty"),
     ("stop_token_ids", [-1], ">= 0"),
 ]
@@ -60,7 +63,8 @@ def test_bad_value_raises_naming_field_and_range(field, value, allowed):
 @pytest.mark.parametrize("field,value", [
     ("top_p", 1.0), ("top_p", 1e-6), ("top_k", -1), ("top_k", 0), ("top_k", 1), ("min_p", 0.0), ("min_p", 1.0),
     ("presence_penalty", -2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 1e-3), ("temperature", 0.0),
-    ("logprobs", 0), ("seed", 0), ("min_tokens", 16),
+    ("logprobs", 0), ("seed", 0), ("min_tokens", 16), ("seed", 2 ** 63 - 1), ("seed", -(2 ** 63)),
+    ("temperature", 2.0), ("n", 16384),
 ])
 def test_boundary_values_accepted(field, value):
     SamplingParams(**{field: value})  # the edges of every allowed range are legal

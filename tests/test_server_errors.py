@@ -41,6 +41,35 @@ CASES = [
     ("min_tokens-over-max", CMPL, c(min_tokens=9), AUTH, 400, "min_tokens"),
     ("stop-empty-string", CMPL, c(stop=[""]), AUTH, 400, "stop"),
     ("seed-not-int", CMPL, c(seed="x"), AUTH, 400, "seed"),
+    # Integers checked against the types they end in, before the engine sees them.
+    ("seed-over-int64", CMPL, c(seed=2 ** 70), AUTH, 400, "seed"),
+    ("seed-int64-max-plus-1", CMPL, c(seed=2 ** 63), AUTH, 400, "seed"),
+    ("seed-under-int64", CMPL, c(seed=-(2 ** 63) - 1), AUTH, 400, "seed"),
+    ("n-over-max", CMPL, c(n=10 ** 6, temperature=1.0), AUTH, 400, "n"),
+    ("temperature-over-2", CMPL, c(temperature=2.5), AUTH, 400, "temperature"),
+    ("max_tokens-over-max_model_len", CMPL, c(max_tokens=10 ** 12), AUTH, 400, "max_tokens"),
+    ("chat-max_tokens-over-max_model_len", CHAT, ch(max_tokens=1025), AUTH, 400, "max_tokens"),
+    ("chat-max_completion_tokens-over-max_model_len", CHAT, ch(max_tokens=None, max_completion_tokens=10 ** 9),
+     AUTH, 400, "max_completion_tokens"),
+    ("stop_token_ids-out-of-vocab", CMPL, c(stop_token_ids=[10 ** 9], min_tokens=2), AUTH, 400, "stop_token_ids"),
+    ("stop_token_ids-over-int64", CMPL, c(stop_token_ids=[2 ** 70], min_tokens=2), AUTH, 400, "stop_token_ids"),
+    ("allowed_token_ids-over-int64", CMPL, c(allowed_token_ids=[2 ** 70]), AUTH, 400, "allowed_token_ids"),
+    ("logprobs-over-int64", CMPL, c(logprobs=2 ** 70), AUTH, 400, "logprobs"),
+    # Lone surrogates (JSON's \ud800 escape): no tokenizer can encode them.
+    ("prompt-lone-surrogate", CMPL, b'{"prompt": "abc\\ud800def", "max_tokens": 3}', AUTH, 400, "prompt"),
+    ("prompt-list-lone-surrogate", CMPL, b'{"prompt": ["ok", "\\udfff"], "max_tokens": 3}', AUTH, 400, "prompt"),
+    ("chat-lone-surrogate", CHAT,
+     b'{"messages": [{"role": "user", "content": "abc\\ud800def"}], "max_tokens": 3}', AUTH, 400,
+     "messages.0.content"),
+    ("chat-part-lone-surrogate", CHAT,
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}', AUTH, 400,
+     "messages.0.content.0.text"),
+    ("stop-lone-surrogate", CMPL, b'{"prompt": "x", "stop": ["\\udc00"]}', AUTH, 400, "stop"),
+    ("bad_words-lone-surrogate", CMPL, b'{"prompt": "x", "bad_words": ["\\udc00"]}', AUTH, 400, "bad_words"),
+    ("structured-lone-surrogate", CMPL, b'{"prompt": "x", "structured_outputs": {"regex": "a\\udc00"}}', AUTH, 400,
+     "structured_outputs"),
+    ("model-lone-surrogate", CMPL, b'{"model": "ti\\ud800ny", "prompt": "x"}', AUTH, 400, "model"),
+    ("tokenize-lone-surrogate", "/tokenize", b'{"prompt": "abc\\ud800def"}', {}, 400, "prompt"),
     ("token-id-out-of-vocab", CMPL, c(prompt=[1, 2, 10 ** 7]), AUTH, 400, "prompt"),
     ("prompt-over-max_model_len", CMPL, c(prompt="x = 1\n" * 1200), AUTH, 400, "prompt"),
     ("logprobs-over-max_logprobs", CMPL, c(logprobs=21), AUTH, 400, "logprobs"),
@@ -68,6 +97,11 @@ CASES = [
     ("priority-without-priority-policy", CMPL, c(priority=1), AUTH, 400, "priority"),
     ("chat-tools-without-parser", CHAT, ch(tools=[{"type": "function", "function": {"name": "f"}}]), AUTH, 400,
      "tools"),
+    ("chat-tools-required-without-parser", CHAT, ch(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                    tool_choice="required"), AUTH, 400, "tool_choice"),
+    ("chat-tool-without-name", CHAT, ch(tools=[{"type": "function", "function": {}}], tool_choice="none"), AUTH,
+     400, "tools.0.function.name"),
+    ("chat-tool-choice-unknown", CHAT, ch(tool_choice="sometimes"), AUTH, 400, "tool_choice"),
     ("chat-tool_choice-without-parser", CHAT, ch(tool_choice="auto"), AUTH, 400, "tool_choice"),
     ("chat-unknown-field", CHAT, ch(parallel_tool_calls=True), AUTH, 400, "parallel_tool_calls"),
     ("chat-message-unknown-field", CHAT, ch(messages=[{"role": "user", "content": "x", "tool_call_id": "1"}]),
@@ -131,3 +165,32 @@ def test_openai_client_raises_typed_errors_and_server_still_serves(api_server):
     assert httpx.get(api_server.url + "/health").status_code == 200, "/health needs no key"
     m = httpx.get(api_server.url + "/metrics").text
     assert "vllm:kv_cache_usage_perc" in m, "/metrics needs no key"
+
+
+def test_requests_that_once_killed_the_engine_get_400_and_it_keeps_serving(api_server):
+    """Each of these used to pass validation and then raise inside a step (seed overflow in
+    torch's generator; a stop id indexing past the vocabulary under min_tokens), or hang the
+    engine (n = 10**6 samples), answering 503 "engine died" to everyone afterwards."""
+    bodies = [c(seed=1180591620717411303424), c(stop_token_ids=[10 ** 9], min_tokens=2),
+              c(n=10 ** 6, temperature=1.0), c(n=2, temperature=1.0, seed=2 ** 63 - 1, max_tokens=2)]
+    codes = [httpx.post(api_server.url + CMPL, json=b, headers=AUTH, timeout=60).status_code for b in bodies]
+    # The last one is valid: its children's seeds wrap around within int64 instead of overflowing.
+    assert codes == [400, 400, 400, 200], f"a request that reached the engine unchecked: {codes}"
+    assert httpx.get(api_server.url + "/health").status_code == 200, "a bad request killed the engine"
+    r = httpx.post(api_server.url + CMPL, json=c(max_tokens=3, temperature=0), headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, \
+        f"the engine stopped serving after the bad requests: {r.text[:300]}"
+
+
+def test_tools_with_tool_choice_none_reach_the_template(api_server):
+    """vLLM without a tool parser serves tool_choice "none": the tools go to the chat
+    template (the test server's template prints them) and the reply is plain text."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    plain = httpx.post(api_server.url + CHAT, json=ch(temperature=0), headers=AUTH, timeout=60)
+    with_tools = httpx.post(api_server.url + CHAT, json=ch(temperature=0, tools=tools, tool_choice="none"),
+                            headers=AUTH, timeout=60)
+    assert plain.status_code == 200 and with_tools.status_code == 200, with_tools.text[:300]
+    grown = with_tools.json()["usage"]["prompt_tokens"] - plain.json()["usage"]["prompt_tokens"]
+    assert grown > 10, f"the template did not see the tools (prompt grew by {grown} tokens): they were dropped"
+    assert with_tools.json()["choices"][0]["message"]["content"] is not None

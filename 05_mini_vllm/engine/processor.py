@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_encodable
 
 logger = logging.getLogger("mini_vllm")
 
@@ -113,6 +113,7 @@ class Processor:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            check_encodable("prompt", prompt)  # the tokenizer would raise a TypeError deep inside
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
             text, ids = prompt, list(self.tokenizer(prompt)["input_ids"])
@@ -131,6 +132,8 @@ class Processor:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({limit}) to leave room for output")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {priority!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return EngineCoreRequest(str(request_id), text, ids, self._check_params(params, len(ids)),
                                  arrival, priority)
@@ -144,7 +147,10 @@ class Processor:
             v = getattr(params, name)
             if v is not None and v > cap:
                 raise ValueError(f"{name} must be in [0, {cap}] (max_logprobs), got {v}")
-        for name, toks in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        # Every token id ends up indexing a [rows, vocab] tensor (bias, mask, min_tokens' ban
+        # of stop ids): one outside the vocabulary would raise inside a step and kill the engine.
+        for name, toks in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must lie in [0, {vocab}) (the vocabulary), got {bad[:5]}")

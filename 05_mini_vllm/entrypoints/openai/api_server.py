@@ -16,6 +16,11 @@ Invariants:
 - SIGINT/SIGTERM: uvicorn stops accepting, waits up to
   `--timeout-graceful-shutdown` seconds for in-flight responses, then the
   engine aborts what is left and the process exits with code 0.
+- A dead engine ends the process: every in-flight request gets an error
+  (a 503 body, or an error event in a stream), /health answers 503, and the
+  server shuts down and exits with code 1 (vLLM's API server does the same
+  when its engine core dies), so that a supervisor restarts it. The log names
+  the exception, with its traceback.
 """
 from __future__ import annotations
 
@@ -52,6 +57,12 @@ def _validation_param(err: dict) -> str | None:
     return ".".join(loc) or None
 
 
+def _validation_msg(err: dict) -> str:
+    """pydantic's message, without the "Value error, " it puts before our own checks' text."""
+    msg = str(err.get("msg", ""))
+    return msg.removeprefix("Value error, ") if err.get("type") == "value_error" else msg
+
+
 class ApiKeyMiddleware:
     """401 for /v1 routes without `Authorization: Bearer KEY`. A plain ASGI
     middleware: it passes `receive` through untouched, so handlers still see
@@ -71,10 +82,10 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
               stat_logger: PrometheusStatLogger, api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     models = OpenAIServingModels(served_model_names, model_path, engine.max_model_len)
     completions = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, chat_template)
+    chat = OpenAIServingChat(engine, models, chat_template, exclude_tools_when_tool_choice_none)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -86,7 +97,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
+        # Our own checks (value errors) first: in a union, the other members' type
+        # mismatches ("should be a valid string") say less than "holds a lone surrogate".
+        errs = sorted(exc.errors(), key=lambda e: e.get("type") != "value_error")
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":  # loc is a character position, not a field
             return error_response(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
@@ -95,7 +108,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         if first.get("type") == "extra_forbidden":  # honoured or rejected, never ignored
             return error_response(f"{param} is not a field this server supports (unknown or unsupported "
                                   "field; it would otherwise be ignored)", 400, param)
-        msgs = dict.fromkeys(f"{_validation_param(e) or 'body'}: {e.get('msg')}" for e in errs)
+        msgs = dict.fromkeys(f"{_validation_param(e) or 'body'}: {_validation_msg(e)}" for e in errs)
         msg = "; ".join(list(msgs)[:5])
         return error_response(msg or "invalid request", 400, param)
 
@@ -197,7 +210,8 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 def run_server(args, engine_kwargs: dict) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, then exit the process with 0."""
+    """Load the engine, serve until SIGINT/SIGTERM (then exit the process with 0) or
+    until the engine dies (then exit with 1)."""
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -209,13 +223,24 @@ def run_server(args, engine_kwargs: dict) -> int:
                      "max_logprobs": args.max_logprobs, "policy": args.policy,
                      "structured_outputs_config": _json_arg("--structured-outputs-config",
                                                             args.structured_outputs_config)}
-    engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], **engine_kwargs)
+    server: uvicorn.Server | None = None  # set below; the engine only steps once it serves
+    exit_code = 0
+
+    def on_engine_dead(exc: BaseException) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("engine died (%r): shutting the server down so that a supervisor restarts it", exc)
+        if server is not None:
+            server.should_exit = True  # uvicorn's own graceful shutdown, as after SIGTERM
+
+    engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], on_dead=on_engine_dead,
+                                       **engine_kwargs)
     core, cfg = engine.engine.engine_core, engine.engine.config
     stat_logger.set_cache_config_info(block_size=cfg.block_size, num_gpu_blocks=core.num_gpu_blocks,
                                       num_cpu_blocks=core.num_cpu_blocks, cache_dtype=str(cfg.dtype),
                                       enable_prefix_caching=cfg.enable_prefix_caching)
     app = build_app(engine, names, args.model, stat_logger, api_key,
-                    _read_chat_template(args.chat_template))
+                    _read_chat_template(args.chat_template), args.exclude_tools_when_tool_choice_none)
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises the signal after a graceful shutdown, which would make the
@@ -228,11 +253,12 @@ def run_server(args, engine_kwargs: dict) -> int:
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                             access_log=args.access_log)
     logger.info("serving %s as %s on http://%s:%d", args.model, names, args.host, args.port)
-    _Server(config).run()
+    server = _Server(config)
+    server.run()
     engine.shutdown()
     # Everything is drained and stopped; skip the interpreter's teardown of torch
     # and the model, which takes seconds and can only delay the exit.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code)

@@ -15,6 +15,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use as `model` (default: the model path)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="with tool_choice 'none', do not show the request's tools to the chat template")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
                    help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -10,6 +10,10 @@ Invariants:
 - No silent no-ops: every field of a request model is honoured or rejected
   with a 400 naming it, and a field the models do not know is a 400 too
   (`extra="forbid"`; vLLM only logs a warning).
+- Every string anywhere in a request (fields, list items, dict keys and
+  values) is valid Unicode: JSON's "\\ud800" escape decodes to a lone
+  surrogate, which no tokenizer, grammar compiler or JSON encoder accepts,
+  so it is a 400 naming the field here, before anything reads it.
 - These models check only *types* (and which fields go together). Ranges
   (temperature >= 0, 0 < top_p <= 1, n >= 1, ...) are checked once, by
   `SamplingParams`, so the server and the offline `LLM` reject exactly the
@@ -24,19 +28,40 @@ import time
 import uuid
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mini_vllm.sampling_params import _CONSTRAINTS as CONSTRAINTS
-from mini_vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from mini_vllm.sampling_params import SamplingParams, StructuredOutputsParams, check_encodable
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _check_text(name: str, value) -> None:
+    """check_encodable on every string inside `value` (nested lists and dicts, keys too)."""
+    if isinstance(value, str):
+        check_encodable(name, value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(name, k)
+            _check_text(name, v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_text(name, v)
+
+
 class OpenAIBaseModel(BaseModel):
     # An unknown field is a 400 naming it: accepting it would silently ignore it.
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value, info: ValidationInfo):
+        # Nested models run this on their own fields, so pydantic's error location
+        # names the exact field (messages.0.content.0.text).
+        _check_text(info.field_name, value)
+        return value
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -109,6 +134,15 @@ class _SamplingFields(OpenAIBaseModel):
     _DEFAULTS: ClassVar[dict] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
+    @staticmethod
+    def check_max_output(name: str, value: int | None, max_model_len: int) -> None:
+        """vLLM's rule: more output tokens than the whole context holds is a 400. A
+        max_tokens that overflows only together with the prompt is served and stops
+        at the context (finish_reason "length"), as vLLM does."""
+        if value is not None and value > max_model_len:
+            raise ValueError(f"{name} cannot be greater than max_model_len ({max_model_len}), got {value}; "
+                             "request fewer output tokens")
+
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
@@ -149,8 +183,9 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's; echo with logprobs implies it
 
-    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+    def to_sampling_params(self, max_model_len: int, defaults: dict | None = None) -> SamplingParams:
         self.check_stream_options()
+        self.check_max_output("max_tokens", self.max_tokens, max_model_len)
         mt = 16 if self.max_tokens is None else self.max_tokens
         if mt == 0 and not self.echo:
             raise ValueError("max_tokens must be an int >= 1 (0 only with echo=true, to score the prompt), got 0")
@@ -185,6 +220,27 @@ class ChatMessage(OpenAIBaseModel):
         return d
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -192,22 +248,40 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
 
     def check_tools(self) -> None:
-        """No tool parser exists here (vLLM: --enable-auto-tool-choice --tool-call-parser),
-        so tools would be ignored: reject them, as vLLM does without a parser."""
-        if self.tools:
-            raise ValueError("tools need a tool-call parser, and this server has none")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice needs a tool-call parser, and this server has none; only 'none' is accepted")
+        """vLLM's rules without a tool-call parser (--enable-auto-tool-choice
+        --tool-call-parser): with tool_choice "none" the tools are only shown to the
+        chat template and the reply is plain text, so that is served; "auto"
+        (the default once tools are given), "required" or a named function would
+        need the reply parsed into tool calls, so they are a 400."""
+        if self.tool_choice == "none":
+            return
+        if self.tools and self.tool_choice is None:
+            raise ValueError("tools need a tool-call parser when tool_choice is 'auto' (the default with tools), "
+                             "and this server has none; send tool_choice 'none' to show the tools to the model "
+                             "without parsing its reply")
+        if self.tool_choice is not None:
+            raise ValueError("tool_choice needs a tool-call parser, and this server has none; only 'none' is "
+                             "accepted")
 
-    def to_sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def tools_for_template(self, exclude_when_none: bool = False) -> list[dict] | None:
+        """The tools as the chat template sees them (vLLM's tool_dicts); None with
+        --exclude-tools-when-tool-choice-none and tool_choice "none"."""
+        if not self.tools or (exclude_when_none and self.tool_choice == "none"):
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def to_sampling_params(self, max_model_len: int, default_max_tokens: int,
+                           defaults: dict | None = None) -> SamplingParams:
         """`default_max_tokens`: the room left in the context, used when the request
         and the generation config give no max_tokens."""
         self.check_tools()
         self.check_stream_options()
+        self.check_max_output("max_tokens", self.max_tokens, max_model_len)
+        self.check_max_output("max_completion_tokens", self.max_completion_tokens, max_model_len)
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if mt is None:
             mt = min(default_max_tokens, (defaults or {}).get("max_tokens", default_max_tokens))

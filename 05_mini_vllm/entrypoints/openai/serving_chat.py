@@ -10,8 +10,10 @@ Invariants:
 - Without max_completion_tokens / max_tokens a reply may use the rest of the
   context, max_model_len - prompt length, or the checkpoint's
   generation_config.json max_new_tokens when smaller (vLLM's defaults).
-- `tools` / `tool_choice` other than "none" are a 400: no tool-call parser
-  exists here, and a template that never sees the tools would ignore them.
+- Tools follow vLLM without a tool-call parser: with tool_choice "none" the
+  tools go to the chat template (unless --exclude-tools-when-tool-choice-none)
+  and the reply is plain text; tools with "auto" (their default), "required"
+  or a named function are a 400, since the reply would need parsing.
 - Streaming sends, per choice, a first chunk with role "assistant", then
   content deltas, then a chunk with finish_reason; the content deltas
   concatenate to the non-streamed message.
@@ -43,19 +45,21 @@ def chat_logprobs(entries, k: int) -> dict:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine, models, chat_template: str | None = None) -> None:
+    def __init__(self, engine, models, chat_template: str | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False) -> None:
         super().__init__(engine, models)
         self.chat_template = chat_template
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
-    async def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation (ValueError when no template is known).
 
         Encoding runs on the engine thread: a fast tokenizer's encode mutates its
         padding/truncation state and must not race the engine's own encodes."""
         conv = [m.for_template() for m in messages]
-        return await self.engine.run_on_engine(lambda e: self._render(conv, add_generation_prompt))
+        return await self.engine.run_on_engine(lambda e: self._render(conv, add_generation_prompt, tools))
 
-    def _render(self, conv, add_generation_prompt: bool) -> list[int]:
+    def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
@@ -66,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             ids = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt)
+                                          add_generation_prompt=add_generation_prompt, tools=tools)
         except TemplateError as e:  # e.g. a template that raises on a role order it rejects
             raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -77,13 +81,14 @@ class OpenAIServingChat(OpenAIServing):
         if (err := self.models.check(req.model)) is not None:
             return err
         try:
-            req.check_tools()  # before rendering: the template would drop the tools
-            ids = await self.render(req.messages, req.add_generation_prompt)
-            if len(ids) >= self.engine.max_model_len:
+            req.check_tools()  # before rendering: a 400 must not cost a template run
+            ids = await self.render(req.messages, req.add_generation_prompt,
+                                    req.tools_for_template(self.exclude_tools_when_tool_choice_none))
+            limit = self.engine.max_model_len
+            if len(ids) >= limit:
                 return error_response(f"messages render to {len(ids)} tokens; the prompt must be "
-                                      f"shorter than max_model_len ({self.engine.max_model_len})", 400,
-                                      "messages")
-            params = req.to_sampling_params(self.engine.max_model_len - len(ids), self.default_sampling_params)
+                                      f"shorter than max_model_len ({limit})", 400, "messages")
+            params = req.to_sampling_params(limit, limit - len(ids), self.default_sampling_params)
         except ValueError as e:
             return value_error_response(e)
         return await self.serve(req, [{"prompt_token_ids": ids}], params, random_id("chatcmpl"),

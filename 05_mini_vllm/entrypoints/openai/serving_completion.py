@@ -85,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return error_response("suffix is not supported", 400, "suffix")
         try:
             prompts = _prompts(req.prompt)
-            params = req.to_sampling_params(self.default_sampling_params)
+            params = req.to_sampling_params(self.engine.max_model_len, self.default_sampling_params)
         except ValueError as e:
             return value_error_response(e)
         return await self.serve(req, prompts, params, random_id("cmpl"), is_disconnected)

@@ -14,35 +14,43 @@ Invariants:
   and a failing prompt aborts its siblings.
 - A non-streamed request whose client went away is aborted within
   `DISCONNECT_POLL_S` (a streamed one as soon as a chunk cannot be sent).
+- A stream that fails after its 200 status line was sent (the engine died)
+  ends with an error event in the same shape, then `data: [DONE]`, as vLLM
+  ends it: the client reads why, instead of a connection cut mid-body.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import time
 from pathlib import Path
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from mini_vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.]*) ")
 DISCONNECT_POLL_S = 0.25
+logger = logging.getLogger("mini_vllm")
 
 
 class ClientDisconnected(Exception):
     """The HTTP client closed the connection before the response was ready."""
 
 
+def error_body(message: str, code: int = 400, param: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(code, "Error"),
+                                         param=param, code=code)).model_dump()
+
+
 def error_response(message: str, code: int = 400, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(code, "Error"),
-                                         param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=code)
+    return JSONResponse(error_body(message, code, param), status_code=code)
 
 
 def value_error_response(e: ValueError) -> JSONResponse:
@@ -132,7 +140,7 @@ class OpenAIServing:
             return value_error_response(e)
         model = req.model or self.models.names[0]
         if req.stream:
-            return StreamingResponse(self._stream(req, streams, request_id, model),
+            return StreamingResponse(guard_stream(self._stream(req, streams, request_id, model)),
                                      media_type="text/event-stream")
         return await self._full(req, streams, request_id, model, is_disconnected)
 
@@ -155,6 +163,23 @@ class OpenAIServing:
                     pass
                 raise ClientDisconnected()
         return await task
+
+
+async def guard_stream(chunks):
+    """Relay a handler's SSE chunks; an error raised once streaming has begun becomes
+    an error event and [DONE] (503 for a dead engine, 500 for anything else)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineDeadError as e:
+        yield sse(error_body(str(e), 503))
+        yield sse("[DONE]")
+    except Exception as e:  # noqa: BLE001 - a bug in a handler: logged, and told to the client
+        logger.exception("internal error while streaming")
+        yield sse(error_body(f"internal error: {type(e).__name__}: {e}", 500))
+        yield sse("[DONE]")
+    finally:
+        await chunks.aclose()  # runs the handler's finally (which aborts its requests) now, not at GC
 
 
 async def merge_streams(streams):
