@@ -20,7 +20,9 @@ Invariants:
   stops early (a disconnected client, a cancelled task) aborts the request
   through `close()`, which `generate()` calls in its `finally`.
 - If `step()` raises, the engine is dead: every stream and every later call
-  raises `EngineDeadError` instead of hanging.
+  raises `EngineDeadError` instead of hanging, and `on_dead(exc)` runs on the
+  event loop (the server uses it to exit, so that a supervisor restarts it, as
+  vLLM's API server does when its engine core dies).
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ _MAX_KEPT_SAMPLES = 100_000
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, stat_loggers=()) -> None:
+    def __init__(self, engine: LLMEngine, stat_loggers=(),
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_dead = on_dead  # called once, on the event loop, when the engine thread dies
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.stat_loggers = list(stat_loggers)
@@ -62,8 +66,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, stat_loggers=(), **engine_args) -> "AsyncLLM":
-        return cls(LLMEngine.from_engine_args(str(model), **engine_args), stat_loggers)
+    def from_engine_args(cls, model: str, stat_loggers=(), on_dead=None, **engine_args) -> "AsyncLLM":
+        return cls(LLMEngine.from_engine_args(str(model), **engine_args), stat_loggers, on_dead)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -177,6 +181,12 @@ class AsyncLLM:
         for q in list(self._queues.values()):
             q.put_nowait(exc)
 
+    def _died(self, exc: BaseException) -> None:  # event loop thread
+        dead = EngineDeadError(f"engine died: {exc!r}")
+        self._fail_all(dead)
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
     def _call_loop(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             try:
@@ -211,10 +221,10 @@ class AsyncLLM:
                     if outs:
                         self._call_loop(self._deliver, outs)
                 self._record_stats()
-        except Exception as e:  # noqa: BLE001 - anything from step() kills the engine
-            logger.exception("engine thread died")
+        except BaseException as e:  # noqa: BLE001 - anything from step() kills the engine
+            logger.exception("engine thread died: %r", e)
             self._dead = e
-            self._call_loop(self._fail_all, e)
+            self._call_loop(self._died, e)
             while True:  # fail the commands still queued, so no caller waits forever
                 try:
                     _, fut = self._cmds.get_nowait()

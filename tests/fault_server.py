@@ -1,0 +1,59 @@
+"""`python tests/fault_server.py serve MODEL [flags]`: the course's server with a fault
+planted in its engine, for the tests that need an engine that dies, or steps that
+cannot be fast. `server_utils.Server(fault=...)` starts it; the environment
+variable MINI_VLLM_TEST_FAULT says which fault:
+
+- "raise-on-marker": a step whose batch brings in a request whose prompt is
+  FAULT_MARKER raises inside the executor, in the middle of the step, with
+  every other request still in flight. The test decides when the engine dies
+  (by sending the marker), so nothing depends on how fast it runs.
+- "step-floor:S": every step lasts at least S seconds (it sleeps after the
+  forward pass). A request of N output tokens then cannot finish in less than
+  N * S seconds, whatever the machine: "still running after X seconds" becomes
+  true by construction (N * S well above X) instead of by the engine being slow.
+
+The patches wrap `UniProcExecutor.execute_model` (the server's executor at one
+rank) before the CLI builds the engine; nothing in `mini_vllm` knows of them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from mini_vllm.executor.uniproc_executor import UniProcExecutor
+
+# Token ids no test prompt produces by chance: a prompt of exactly these ids.
+FAULT_MARKER = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 13]
+
+
+class PlantedFault(RuntimeError):
+    """The exception the "raise-on-marker" fault raises inside a step."""
+
+
+def _plant(fault: str) -> None:
+    execute = UniProcExecutor.execute_model
+    if fault == "raise-on-marker":
+        def execute_model(self, scheduler_output):
+            for nr in scheduler_output.scheduled_new_reqs:
+                if list(nr.prompt_token_ids) == FAULT_MARKER:
+                    raise PlantedFault(f"planted fault in the step that schedules request {nr.req_id}")
+            return execute(self, scheduler_output)
+    elif fault.startswith("step-floor:"):
+        floor = float(fault.split(":", 1)[1])
+
+        def execute_model(self, scheduler_output):
+            t0 = time.monotonic()
+            out = execute(self, scheduler_output)
+            time.sleep(max(0.0, floor - (time.monotonic() - t0)))
+            return out
+    else:
+        raise SystemExit(f"MINI_VLLM_TEST_FAULT={fault!r}: expected 'raise-on-marker' or 'step-floor:SECONDS'")
+    UniProcExecutor.execute_model = execute_model
+
+
+if __name__ == "__main__":
+    _plant(os.environ["MINI_VLLM_TEST_FAULT"])
+    from mini_vllm.entrypoints.cli import main
+
+    sys.exit(main(sys.argv[1:]))
