@@ -1,7 +1,7 @@
 """`python tests/fault_server.py serve MODEL [flags]`: the course's server with a fault
 planted in its engine, for the tests that need an engine that dies, or steps that
 cannot be fast. `server_utils.Server(fault=...)` starts it; the environment
-variable MINI_VLLM_TEST_FAULT says which fault:
+variable MINI_VLLM_TEST_FAULT says which faults (comma-separated):
 
 - "raise-on-marker": a step whose batch brings in a request whose prompt is
   FAULT_MARKER raises inside the executor, in the middle of the step, with
@@ -31,8 +31,8 @@ class PlantedFault(RuntimeError):
     """The exception the "raise-on-marker" fault raises inside a step."""
 
 
-def _plant(fault: str) -> None:
-    execute = UniProcExecutor.execute_model
+def with_fault(fault: str, execute):
+    """`execute` (an executor's execute_model) with one fault planted."""
     if fault == "raise-on-marker":
         def execute_model(self, scheduler_output):
             for nr in scheduler_output.scheduled_new_reqs:
@@ -49,11 +49,12 @@ def _plant(fault: str) -> None:
             return out
     else:
         raise SystemExit(f"MINI_VLLM_TEST_FAULT={fault!r}: expected 'raise-on-marker' or 'step-floor:SECONDS'")
-    UniProcExecutor.execute_model = execute_model
+    return execute_model
 
 
 if __name__ == "__main__":
-    _plant(os.environ["MINI_VLLM_TEST_FAULT"])
+    for f in os.environ["MINI_VLLM_TEST_FAULT"].split(","):
+        UniProcExecutor.execute_model = with_fault(f.strip(), UniProcExecutor.execute_model)
     from mini_vllm.entrypoints.cli import main
 
     sys.exit(main(sys.argv[1:]))
