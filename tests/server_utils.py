@@ -74,6 +74,14 @@ class Server:
         return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                 if "le" not in s.labels}
 
+    def finished(self) -> dict[str, float]:
+        """Finished requests so far by finish reason (vllm:request_success_total)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {s.labels["finished_reason"]: s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "vllm:request_success_total"}
+
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Poll /metrics until no request runs or waits; returns the last samples."""
         deadline = time.monotonic() + timeout

@@ -1,5 +1,13 @@
 """The server under load: 100 concurrent streams with bad requests mixed in, 20
-clients that disconnect mid-stream, and SIGTERM while requests are in flight."""
+clients that disconnect mid-stream, and SIGTERM while requests are in flight.
+
+Nothing here depends on how fast the engine is. The server steps no faster than
+STEP_FLOOR_S a step (tests/fault_server.py), so a request of N output tokens
+runs at least N * STEP_FLOOR_S seconds on any machine: the long requests below
+(400-900 tokens, 8-18 s at least) are still running when a client leaves or
+SIGTERM arrives by construction, and the tests check outcomes (finish reasons,
+the end of each stream) rather than how much got done in a time window.
+Timeouts are hang guards only."""
 import asyncio
 import signal
 import subprocess
@@ -14,12 +22,14 @@ from mini_vllm import SamplingParams
 from server_utils import SERVED_NAME, Server
 
 N_STREAMS, MAX_TOKENS = 100, 8
+STEP_FLOOR_S = 0.02
+GRACE_S = 8  # --timeout-graceful-shutdown: far above the short requests' 20 steps
 PROMPTS = [f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(N_STREAMS)]
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--timeout-graceful-shutdown", "3")
+    s = Server("--timeout-graceful-shutdown", str(GRACE_S), fault=f"step-floor:{STEP_FLOOR_S}")
     yield s
     s.stop()  # a no-op after the SIGTERM test, which runs last
 
@@ -72,8 +82,11 @@ def test_100_concurrent_streams_are_correct_and_free_the_pool(server):
 
 
 def test_20_clients_disconnecting_mid_stream_leave_nothing_behind(server):
-    gen_before = server.metrics()["vllm:generation_tokens_total"]
-    n_clients, max_tokens = 20, 400
+    """900 tokens take at least 18 s here: a request that finishes "length" ran on
+    after its client left. (Client aborts are not counted by finish reason, as in
+    vLLM, so the check is that none of them reached its end.)"""
+    before = server.finished()
+    n_clients, max_tokens = 20, 900
 
     async def drop(i):
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
@@ -92,20 +105,21 @@ def test_20_clients_disconnecting_mid_stream_leave_nothing_behind(server):
 
     got = asyncio.run(main())
     assert got == [3] * n_clients
-    m = server.wait_idle(timeout=20)
+    m = server.wait_idle(timeout=60)  # a hang guard: aborts take effect within a step or two
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0, \
         "a disconnected client's request is still in the engine"
     assert m["vllm:kv_cache_usage_perc"] == 0.0, "a disconnected client's blocks were not freed"
-    generated = m["vllm:generation_tokens_total"] - gen_before
-    assert generated < n_clients * max_tokens / 4, \
-        f"{generated} tokens generated: disconnected requests ran on instead of being aborted"
+    ran_on = server.finished().get("length", 0) - before.get("length", 0)
+    assert ran_on == 0, f"{ran_on} of {n_clients} disconnected requests ran on to max_tokens instead of being aborted"
     r = httpx.post(server.url + "/v1/completions", json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 2},
                    timeout=30)
     assert r.status_code == 200, "server must keep serving after the disconnects"
 
 
 def test_non_streamed_clients_that_time_out_are_aborted(server):
-    gen_before = server.metrics()["vllm:generation_tokens_total"]
+    """600 tokens take at least 12 s here, so the clients' 0.5 s timeout always fires
+    first; the server must notice the closed connections and abort."""
+    before = server.finished()
     max_tokens = 600
 
     async def give_up(i, path, body):
@@ -119,19 +133,23 @@ def test_non_streamed_clients_that_time_out_are_aborted(server):
                              give_up(9, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}))
 
     asyncio.run(main())
-    m = server.wait_idle(timeout=20)
+    m = server.wait_idle(timeout=60)  # a hang guard
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0, \
         "a non-streamed request whose client left is still running"
-    generated = m["vllm:generation_tokens_total"] - gen_before
-    assert generated < 4 * max_tokens / 3, f"{generated} tokens: timed-out requests were not aborted"
+    ran_on = server.finished().get("length", 0) - before.get("length", 0)
+    assert ran_on == 0, f"{ran_on} of 4 timed-out requests ran on to max_tokens instead of being aborted"
 
 
 def test_sigterm_under_load_exits_cleanly(server):
-    """Last in this file: it stops the module's server."""
+    """Last in this file: it stops the module's server. The long request needs at
+    least 900 * STEP_FLOOR_S = 18 s, more than the grace period: it is in flight when
+    the grace period ends, by construction, and must be cut then (the process
+    must not wait for it); the short ones (20 steps) must finish within it."""
     s = server
     short = {"model": SERVED_NAME, "prompt": "def a():", "max_tokens": 20, "temperature": 0, "stream": True,
              "ignore_eos": True}
     long = dict(short, prompt="def b():", max_tokens=900)
+    assert long["max_tokens"] * STEP_FLOOR_S > 2 * GRACE_S
     results, started = {}, {}
 
     async def consume(name, body):
@@ -145,31 +163,28 @@ def test_sigterm_under_load_exits_cleanly(server):
                             lines.append(ln)
                             started[name].set()  # in flight: the server has begun streaming it
         except httpx.HTTPError as e:
-            results[name] = e
+            results[name] = (lines, e)
 
     async def main():
         tasks = [asyncio.create_task(consume("long", long))]
-        await asyncio.sleep(0.5)
         tasks += [asyncio.create_task(consume(f"short{i}", short)) for i in range(4)]
         await asyncio.sleep(0)
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 30)
-        t0 = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
         s.proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(s.proc.wait, 30)
-        await asyncio.wait(tasks, timeout=10)
-        return rc, time.monotonic() - t0
+        rc = await asyncio.to_thread(s.proc.wait, 60)
+        await asyncio.wait(tasks, timeout=30)
+        return rc
 
     try:
-        rc, took = asyncio.run(main())
+        rc = asyncio.run(main())
     except subprocess.TimeoutExpired:
         s.stop(signal.SIGKILL)
-        pytest.fail("server did not exit within 30 s of SIGTERM")
+        pytest.fail("server did not exit within 60 s of SIGTERM (grace period: 8 s)")
     assert rc == 0, f"SIGTERM must exit with 0, got {rc}: {s.log()}"
-    assert took < 15, f"shutdown took {took:.1f} s with a 3 s grace period"
     for i in range(4):
         lines = results.get(f"short{i}")
         assert isinstance(lines, list) and lines[-1] == "data: [DONE]", \
             f"short request {i} in flight at SIGTERM must finish during the grace period: {lines!r}"
-    long_lines = results.get("long")
-    assert not (isinstance(long_lines, list) and long_lines and long_lines[-1] == "data: [DONE]"
-                and len(long_lines) > 900), "a 900-token request cannot have finished within 3 s"
+    long_lines = results["long"][0] if isinstance(results["long"], tuple) else results["long"]
+    assert long_lines and long_lines[-1] != "data: [DONE]" and len(long_lines) < 900, \
+        "the long request must be cut when the grace period ends; the server waited for it instead"
