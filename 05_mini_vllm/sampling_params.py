@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import enum
 from dataclasses import dataclass, field, fields
 
@@ -39,9 +40,10 @@ from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
 # vLLM's ranges (vllm/sampling_params.py): temperature in [0, 2] as in OpenAI's API,
-# n up to VLLM_MAX_N_SEQUENCES (each sample is a request of its own), seeds in int64.
+# n up to VLLM_MAX_N_SEQUENCES (each sample is a request of its own; 16384 unless the
+# environment variable MINI_VLLM_MAX_N_SEQUENCES says otherwise), seeds in int64.
 MAX_TEMPERATURE = 2.0
-MAX_N_SEQUENCES = 16384
+MAX_N_SEQUENCES = int(os.environ.get("MINI_VLLM_MAX_N_SEQUENCES", "16384"))
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 

@@ -32,14 +32,15 @@ def free_port() -> int:
 
 class Server:
     """`fault`: a fault planted in the engine (see fault_server.py), or None for the
-    plain `python -m mini_vllm serve`."""
+    plain `python -m mini_vllm serve`; `env`: extra environment variables."""
 
     def __init__(self, *extra: str, startup_timeout: float = 90.0, model: str | None = None,
-                 fault: str | None = None) -> None:
+                 fault: str | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/mini_vllm_server_{self.port}.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   **(env or {}))
         env.pop("MINI_VLLM_API_KEY", None)
         launcher = ["-m", "mini_vllm"] if fault is None else [str(Path(__file__).with_name("fault_server.py"))]
         if fault is not None:

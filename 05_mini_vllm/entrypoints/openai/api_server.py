@@ -33,10 +33,12 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import mini_vllm
 from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from mini_vllm.metrics.prometheus import PrometheusStatLogger
+from mini_vllm.entrypoints.openai.openapi import build_openapi
 from mini_vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest)
 from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -111,6 +113,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         msgs = dict.fromkeys(f"{_validation_param(e) or 'body'}: {_validation_msg(e)}" for e in errs)
         msg = "; ".join(list(msgs)[:5])
         return error_response(msg or "invalid request", 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        # Starlette's own errors (a body that is not UTF-8, an unknown path, a wrong
+        # method) in OpenAI's error shape too, with their headers (405's Allow).
+        resp = error_response(str(exc.detail), exc.status_code, None)
+        resp.headers.update(exc.headers or {})
+        return resp
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
@@ -189,6 +199,19 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
                                   else "this model has no tokenizer", 400, "tokens")
         return {"prompt": tok.decode(req.tokens)}
 
+    core = engine.engine
+    document: dict = {}
+
+    def openapi() -> dict:  # FastAPI's hook: built on first request, then served as it is
+        if not document:
+            document.update(build_openapi(app, max_model_len=engine.max_model_len,
+                                          vocab_size=core.model_config.vocab_size,
+                                          max_logprobs=core.config.max_logprobs,
+                                          priority_honoured=core.config.policy == "priority",
+                                          api_key=api_key is not None))
+        return document
+
+    app.openapi = openapi
     return app
 
 

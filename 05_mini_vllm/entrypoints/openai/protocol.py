@@ -52,8 +52,10 @@ def _check_text(name: str, value) -> None:
 
 
 class OpenAIBaseModel(BaseModel):
-    # An unknown field is a 400 naming it: accepting it would silently ignore it.
-    model_config = ConfigDict(extra="forbid")
+    # An unknown field is a 400 naming it: accepting it would silently ignore it. Strict
+    # types: "5" is not an int nor 1 a bool, as the OpenAPI document says (pydantic's lax
+    # mode would accept what the document calls invalid). An int is still a valid float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

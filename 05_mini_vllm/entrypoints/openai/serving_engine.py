@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from mini_vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.]*) ")
 DISCONNECT_POLL_S = 0.25
