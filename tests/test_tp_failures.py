@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,26 +18,32 @@ PROMPTS = [[11, 12, 13, 14, 15] * 4, [200, 300, 400]]
 
 
 def test_killed_worker_fails_fast_with_a_clear_error():
-    """SIGKILL lands while the driver is stepping (likely inside a collective)."""
+    """SIGKILL lands inside a step, after rank 1 was sent the step and before rank
+    0's forward, whose collectives then meet a dead peer. The kill comes from the
+    step itself, not from a timer, so no engine is fast enough to finish first."""
     llm = make_llm(tensor_parallel_size=2)
     eng = llm.llm_engine
     for i, p in enumerate(PROMPTS * 4):
         eng.add_request(str(i), {"prompt_token_ids": p}, greedy(400))
     eng.step()
-    pid = eng.engine_core.executor.procs[0].pid
+    ex = eng.engine_core.executor
+    pid, driver = ex.procs[0].pid, ex.driver_worker
+    real_execute = driver.execute_model
     killed_at = []
 
-    def kill():
-        killed_at.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
+    def execute_model(*args):
+        if not killed_at:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+        return real_execute(*args)
 
-    killer = threading.Timer(0.5, kill)
-    killer.start()
+    driver.execute_model = execute_model
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code -9\) died"):
         while eng.has_unfinished_requests():
             eng.step()
-    killer.join()
-    assert killed_at, "the workload finished before the kill: make it longer"
+    assert killed_at, "the driver's step never ran rank 0's execute_model: the kill did not happen"
+    # A hang guard: a closed socket is noticed at once; only a wait for the 60 s
+    # group timeout (or a hang) gets near this bound.
     assert time.monotonic() - killed_at[0] < 20, "the engine took too long to notice a dead worker"
     with pytest.raises(RuntimeError, match="rank 1"):
         eng.step()  # stays failed, answers at once
