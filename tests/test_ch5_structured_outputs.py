@@ -134,3 +134,37 @@ def test_ignore_eos_after_the_grammar_ends_emits_only_stop_tokens():
     assert c.text in CHOICES and c.finish_reason == "length", c.text
     first_eos = c.token_ids.index(eos)
     assert c.token_ids[first_eos:] == [eos] * (12 - first_eos), "tokens after the grammar's end must all be EOS"
+
+
+# After these prompts the tiny model, free to put whitespace between JSON tokens,
+# pads its object with runs of spaces and newlines until max_tokens cuts it.
+WHITESPACE_PROMPTS = ["data = {", "x = ", "import json\nobj = ", "result = "]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_disable_any_whitespace_ends_the_tiny_models_whitespace_runs():
+    """vLLM's disable_any_whitespace (xgrammar's any_whitespace=False): without it the
+    grammar allows whitespace anywhere between tokens, the tiny model spends max_tokens
+    on it, and the output ends with finish_reason "length" and unparsable text (as in
+    vLLM: a cut output is not guaranteed to parse); with it, the same prompts close
+    their object and validate."""
+    llm = make_llm()
+
+    def run(compact):
+        sp = SamplingParams(max_tokens=48, temperature=0, structured_outputs=SO(json=PERSON,
+                            disable_any_whitespace=compact))
+        return [o.outputs[0] for o in llm.generate(WHITESPACE_PROMPTS, sp, use_tqdm=False)]
+
+    for p, c in zip(WHITESPACE_PROMPTS, run(False)):
+        assert c.finish_reason == "length" and re.search(r"\s{6,}", c.text), \
+            f"{p!r}: expected the model's whitespace run cut by max_tokens, got {c.finish_reason}: {c.text!r}"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(c.text)
+    for p, c in zip(WHITESPACE_PROMPTS, run(True)):
+        assert c.finish_reason == "stop", f"{p!r}: disable_any_whitespace did not stop the run: {c.text!r}"
+        assert not re.search(r"\s", re.sub(r'"[^"]*"', '""', c.text)), \
+            f"{p!r}: whitespace outside strings although it was disabled: {c.text!r}"
+        jsonschema.validate(json.loads(c.text), PERSON)
+    assert_pool_full(llm)

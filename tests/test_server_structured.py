@@ -69,3 +69,24 @@ def test_structured_outputs_field(api_server, so, check):
     assert r.status_code == 200, r.text[:300]
     for c in r.json()["choices"]:
         assert c["finish_reason"] == "stop" and check(c["text"]), f"{so}: {c['text']!r}"
+
+
+def test_server_disable_any_whitespace_per_request_and_as_the_servers_default(api_server):
+    """A json_schema response_format after a prompt where the tiny model pads with
+    whitespace: cut by max_tokens ("length", unparsable, as vLLM answers) unless the
+    request sets structured_outputs.disable_any_whitespace; offline, the server's
+    --structured-outputs-config default gives the same compact output."""
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    body = {"model": SERVED_NAME, "prompt": "x = ", "max_tokens": 48, "temperature": 0, "response_format": rf}
+    post = lambda b: httpx.post(api_server.url + "/v1/completions", json=b, timeout=60,  # noqa: E731
+                                headers={"Authorization": f"Bearer {API_KEY}"}).json()["choices"][0]
+    loose, compact = post(body), post({**body, **COMPACT})
+    assert loose["finish_reason"] == "length" and re.search(r"\s{6,}", loose["text"]), loose
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(loose["text"])
+    assert compact["finish_reason"] == "stop", compact
+    jsonschema.validate(json.loads(compact["text"]), SCHEMA)
+    llm = make_llm(structured_outputs_config={"disable_any_whitespace": True})
+    off = llm.generate("x = ", SamplingParams(max_tokens=48, temperature=0,
+                       structured_outputs=StructuredOutputsParams(json=SCHEMA)), use_tqdm=False)[0].outputs[0]
+    assert off.text == compact["text"], "the engine-wide default must give what the per-request option gives"
