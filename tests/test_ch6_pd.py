@@ -18,6 +18,8 @@ def tc(backend, url, role):
     extra = {"backend": backend, "url": url}
     if backend == "p2p":
         extra["p2p_rank"] = 0 if role == "kv_producer" else 1
+    else:  # a healthy local server: a 0.5 s default timeout would turn a busy machine into misses
+        extra["timeout_s"] = 30.0
     return {"kv_connector": "PDConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
