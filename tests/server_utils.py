@@ -106,6 +106,20 @@ class Server:
         return self.proc.returncode
 
 
+async def wait_running(http: httpx.AsyncClient, n: int) -> None:
+    """Poll /metrics until at least n requests run (each poll answers at once; the 60 s
+    limit is a hang guard)."""
+    import asyncio
+
+    for _ in range(600):
+        text = (await http.get("/metrics")).text
+        running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+        if running and float(running[0].split()[-1]) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{n} requests never ran together")
+
+
 _shared: dict = {"server": None, "users": 0}
 
 

@@ -5,8 +5,9 @@ non-zero code so that a supervisor restarts it.
 The fault is planted by tests/fault_server.py: a step raises when it schedules a
 request whose prompt is FAULT_MARKER, so the test chooses the moment the engine
 dies; every step lasts at least STEP_FLOOR_S, so the 900-token requests are still
-running then by construction (900 steps take at least 18 s), not because the
-engine happens to be slow."""
+running then (900 steps take at least 45 s, against the few steps the test needs
+to see them all in flight and send the marker), not because the engine happens
+to be slow."""
 import asyncio
 import json
 import subprocess
@@ -20,9 +21,9 @@ from mini_vllm.engine.async_llm import AsyncLLM
 from mini_vllm.entrypoints.openai.api_server import build_app
 from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.metrics.prometheus import PrometheusStatLogger
-from server_utils import SERVED_NAME, Server
+from server_utils import SERVED_NAME, Server, wait_running
 
-STEP_FLOOR_S = 0.02
+STEP_FLOOR_S = 0.05
 N_STREAMS, N_WHOLE = 6, 2
 LONG = {"model": SERVED_NAME, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 
@@ -37,17 +38,6 @@ async def _stream(http, i, lines, in_flight):
                     in_flight.set()
 
 
-async def _wait_running(http, n):
-    """Poll /metrics until n requests run (each poll answers at once; 60 s is a hang guard)."""
-    for _ in range(600):
-        text = (await http.get("/metrics")).text
-        running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
-        if running and float(running[0].split()[-1]) >= n:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{n} requests never ran together")
-
-
 def test_engine_death_under_streaming_load_errors_every_request_and_exits_nonzero():
     s = Server("--timeout-graceful-shutdown", "10", fault=f"raise-on-marker,step-floor:{STEP_FLOOR_S}")
     try:
@@ -59,7 +49,7 @@ def test_engine_death_under_streaming_load_errors_every_request_and_exits_nonzer
                 whole = [asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": f"x{i} ="}))
                          for i in range(N_WHOLE)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in in_flight)), 60)
-                await _wait_running(http, N_STREAMS + N_WHOLE)
+                await wait_running(http, N_STREAMS + N_WHOLE)
                 marker = await http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": FAULT_MARKER,
                                                                    "max_tokens": 2})
                 health_after = []

@@ -40,9 +40,9 @@ def test_openapi_document_tells_the_truth_under_fuzzing(server, tmp_path):
            "--seed", "1", "--workers", "1", "--no-color", "--request-timeout", "60", "--generation-database",
            "none", "--report", "junit", "--report-dir", str(tmp_path)]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)  # a hang guard
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the fuzz run did not end within 300 s; server log: {server.log()}")
+        pytest.fail(f"the fuzz run did not end within 1800 s; server log: {server.log()}")
     out = run.stdout + run.stderr
     summary = re.search(r"(\d+) generated, .*", out)
     print(f"schemathesis: {summary.group(0) if summary else 'no summary'}")

@@ -4,7 +4,7 @@ clients that disconnect mid-stream, and SIGTERM while requests are in flight.
 Nothing here depends on how fast the engine is. The server steps no faster than
 STEP_FLOOR_S a step (tests/fault_server.py), so a request of N output tokens
 runs at least N * STEP_FLOOR_S seconds on any machine: the long requests below
-(400-900 tokens, 8-18 s at least) are still running when a client leaves or
+(600-900 tokens, 12-18 s at least) are still running when a client leaves or
 SIGTERM arrives by construction, and the tests check outcomes (finish reasons,
 the end of each stream) rather than how much got done in a time window.
 Timeouts are hang guards only."""
@@ -19,11 +19,12 @@ import pytest
 
 from engine_utils import make_llm
 from mini_vllm import SamplingParams
-from server_utils import SERVED_NAME, Server
+from server_utils import SERVED_NAME, Server, wait_running
 
 N_STREAMS, MAX_TOKENS = 100, 8
 STEP_FLOOR_S = 0.02
-GRACE_S = 8  # --timeout-graceful-shutdown: far above the short requests' 20 steps
+SHORT_TOKENS = 60  # at least 1.2 s: still streaming when SIGTERM follows the long request's first token
+GRACE_S = 8  # --timeout-graceful-shutdown: far above the short requests' 60 steps, far below the long one's 900
 PROMPTS = [f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(N_STREAMS)]
 
 
@@ -116,40 +117,50 @@ def test_20_clients_disconnecting_mid_stream_leave_nothing_behind(server):
     assert r.status_code == 200, "server must keep serving after the disconnects"
 
 
-def test_non_streamed_clients_that_time_out_are_aborted(server):
-    """600 tokens take at least 12 s here, so the clients' 0.5 s timeout always fires
-    first; the server must notice the closed connections and abort."""
+def test_non_streamed_clients_that_give_up_are_aborted(server):
+    """Four non-streamed requests of 600 tokens (at least 12 s each here) run; once
+    /metrics shows all four in the engine, their clients give up and close the
+    connections. The server must notice and abort them: none may reach max_tokens."""
     before = server.finished()
     max_tokens = 600
 
-    async def give_up(i, path, body):
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post(path, json={"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0,
-                                            "ignore_eos": True, **body})
+    async def post(http, path, body):
+        await http.post(path, json={"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0,
+                                    "ignore_eos": True, **body})
 
     async def main():
-        await asyncio.gather(*(give_up(i, "/v1/completions", {"prompt": f"def g{i}():"}) for i in range(3)),
-                             give_up(9, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}))
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            clients = [asyncio.create_task(post(http, "/v1/completions", {"prompt": f"def g{i}():"}))
+                       for i in range(3)]
+            clients.append(asyncio.create_task(post(http, "/v1/chat/completions",
+                                                    {"messages": [{"role": "user", "content": "x"}]})))
+            await wait_running(http, 4)
+            for c in clients:
+                c.cancel()  # the client gives up: its connection closes
+            await asyncio.gather(*clients, return_exceptions=True)
 
     asyncio.run(main())
     m = server.wait_idle(timeout=60)  # a hang guard
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0, \
         "a non-streamed request whose client left is still running"
     ran_on = server.finished().get("length", 0) - before.get("length", 0)
-    assert ran_on == 0, f"{ran_on} of 4 timed-out requests ran on to max_tokens instead of being aborted"
+    assert ran_on == 0, f"{ran_on} of 4 abandoned requests ran on to max_tokens instead of being aborted"
 
 
 def test_sigterm_under_load_exits_cleanly(server):
-    """Last in this file: it stops the module's server. The long request needs at
-    least 900 * STEP_FLOOR_S = 18 s, more than the grace period: it is in flight when
-    the grace period ends, by construction, and must be cut then (the process
-    must not wait for it); the short ones (20 steps) must finish within it."""
+    """Last in this file: it stops the module's server.
+
+    The short requests (SHORT_TOKENS steps, at least 1.2 s) start first; the long one
+    (900 steps, at least 18 s) starts once they stream, and SIGTERM follows its first
+    token. So at SIGTERM every request is in flight (checked below, not assumed); the
+    shorts need far less than the grace period and the long one far more, whatever
+    the machine's speed, since both are set by the step floor: the shorts must end
+    with [DONE] and the long one must be cut when the grace period ends."""
     s = server
-    short = {"model": SERVED_NAME, "prompt": "def a():", "max_tokens": 20, "temperature": 0, "stream": True,
-             "ignore_eos": True}
+    short = {"model": SERVED_NAME, "prompt": "def a():", "max_tokens": SHORT_TOKENS, "temperature": 0,
+             "stream": True, "ignore_eos": True}
     long = dict(short, prompt="def b():", max_tokens=900)
-    assert long["max_tokens"] * STEP_FLOOR_S > 2 * GRACE_S
+    assert long["max_tokens"] * STEP_FLOOR_S > 2 * GRACE_S > 4 * SHORT_TOKENS * STEP_FLOOR_S
     results, started = {}, {}
 
     async def consume(name, body):
@@ -166,20 +177,25 @@ def test_sigterm_under_load_exits_cleanly(server):
             results[name] = (lines, e)
 
     async def main():
-        tasks = [asyncio.create_task(consume("long", long))]
-        tasks += [asyncio.create_task(consume(f"short{i}", short)) for i in range(4)]
+        tasks = [asyncio.create_task(consume(f"short{i}", short)) for i in range(4)]
         await asyncio.sleep(0)
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+        tasks.append(asyncio.create_task(consume("long", long)))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(started["long"].wait(), 60)
+        at_signal = {name: len(lines) for name, lines in results.items()}
         s.proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(s.proc.wait, 60)
         await asyncio.wait(tasks, timeout=30)
-        return rc
+        return rc, at_signal
 
     try:
-        rc = asyncio.run(main())
+        rc, at_signal = asyncio.run(main())
     except subprocess.TimeoutExpired:
         s.stop(signal.SIGKILL)
-        pytest.fail("server did not exit within 60 s of SIGTERM (grace period: 8 s)")
+        pytest.fail(f"server did not exit within 60 s of SIGTERM (grace period: {GRACE_S} s)")
+    assert all(n <= SHORT_TOKENS for n in at_signal.values()), \
+        f"the test's premise failed: a request had finished before SIGTERM ({at_signal} data lines)"
     assert rc == 0, f"SIGTERM must exit with 0, got {rc}: {s.log()}"
     for i in range(4):
         lines = results.get(f"short{i}")
