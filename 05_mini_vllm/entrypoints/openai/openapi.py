@@ -25,7 +25,8 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from mini_vllm.entrypoints.openai import response_models as rm
-from mini_vllm.entrypoints.openai.protocol import ErrorResponse, ModelList
+from mini_vllm.entrypoints.openai.protocol import ErrorResponse
+from mini_vllm.entrypoints.openai.response_models import ModelList
 from mini_vllm.sampling_params import INT64_MAX, INT64_MIN, MAX_N_SEQUENCES, MAX_TEMPERATURE
 
 _REF = "#/components/schemas/{model}"

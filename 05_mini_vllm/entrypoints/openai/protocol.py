@@ -24,7 +24,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import time
 import uuid
 from typing import ClassVar, Literal, Union
 
@@ -293,37 +292,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(mt, lp, defaults)
-
-
-class ModelPermission(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: random_id("modelperm"))
-    object: str = "model_permission"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    allow_create_engine: bool = False
-    allow_sampling: bool = True
-    allow_logprobs: bool = True
-    allow_search_indices: bool = False
-    allow_view: bool = True
-    allow_fine_tuning: bool = False
-    organization: str = "*"
-    group: str | None = None
-    is_blocking: bool = False
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "mini-vllm"
-    root: str | None = None
-    parent: str | None = None  # set for adapters in vLLM; a base model has none
-    max_model_len: int | None = None
-    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
-
-
-class ModelList(OpenAIBaseModel):
-    object: str = "list"
-    data: list[ModelCard]
 
 
 class TokenizeRequest(OpenAIBaseModel):

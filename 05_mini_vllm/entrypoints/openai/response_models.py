@@ -13,11 +13,12 @@ handler sends as null are declared nullable, and none is left out.
 """
 from __future__ import annotations
 
+import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from mini_vllm.entrypoints.openai.protocol import UsageInfo
+from mini_vllm.entrypoints.openai.protocol import UsageInfo, random_id
 
 
 class _Strict(BaseModel):
@@ -153,3 +154,34 @@ class DetokenizeResponse(_Strict):
 
 class VersionResponse(_Strict):
     version: str
+
+
+class ModelPermission(_Strict):
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(_Strict):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mini-vllm"
+    root: str | None = None
+    parent: str | None = None  # set for adapters in vLLM; a base model has none
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class ModelList(_Strict):
+    object: str = "list"
+    data: list[ModelCard]

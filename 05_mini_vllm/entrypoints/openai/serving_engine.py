@@ -31,7 +31,8 @@ from pathlib import Path
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
-from mini_vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
+from mini_vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from mini_vllm.entrypoints.openai.response_models import ModelCard, ModelList
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
