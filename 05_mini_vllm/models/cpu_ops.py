@@ -22,8 +22,9 @@ Invariants:
   and its version counter, so a weight written in place after loading (a
   test zeroing a projection, a reload) is packed again on the next call,
   never read stale;
-* used only where it can be: a CPU tensor in float32 or bfloat16, oneDNN
-  present, no autograd graph to record (the packed matmul has no backward),
+* used only where it can be: a CPU tensor in float32, or in bfloat16 on a
+  CPU whose oneDNN packs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an
+  AVX2-only one), oneDNN present, no autograd graph to record (the packed matmul has no backward),
   a weight with a version counter (one created under `torch.inference_mode`
   has none, so a stale copy could not be detected); anything else takes
   `F.linear`;
@@ -50,9 +51,6 @@ CPU_OPS = os.environ.get("MINI_VLLM_CPU_OPS", "compiled")
 if CPU_OPS not in _CHOICES:
     raise ValueError(f"MINI_VLLM_CPU_OPS must be one of {_CHOICES}, got {CPU_OPS!r}")
 
-_PACKABLE = (torch.float32, torch.bfloat16)
-
-
 def _onednn_ok() -> bool:
     try:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -60,7 +58,18 @@ def _onednn_ok() -> bool:
         return False
 
 
+def _onednn_bf16_ok() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with bf16 conversions (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT); on an AVX2-only CPU `_reorder_linear_weight` raises in the first step."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 _AVAILABLE = _onednn_ok()
+# The dtypes whose weights this CPU can pack; the others take F.linear.
+PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() else (torch.float32,)
 
 
 def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
     """x @ weight.T (+ bias); `owner` (the layer) holds the packed weight."""
-    if (_AVAILABLE and x.dtype in _PACKABLE and weight.dtype == x.dtype
+    if (_AVAILABLE and x.dtype in PACKABLE and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and _compiled_path(x, weight)
             and not weight.is_inference()):  # made under inference_mode: no version counter to key a copy on
         return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight), bias, "none", [], "")
