@@ -47,6 +47,12 @@ MAX_N_SEQUENCES = int(os.environ.get("MINI_VLLM_MAX_N_SEQUENCES", "16384"))
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
+def check_int64(name: str, value) -> None:
+    """ValueError naming `name` unless `value` is an int (not a bool) that fits in int64."""
+    if not isinstance(value, int) or isinstance(value, bool) or not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {value!r}")
+
+
 def check_encodable(name: str, text: str) -> None:
     """ValueError naming `name` when `text` holds a lone surrogate (JSON's "\\ud800"
     escape decodes to one): it is not Unicode text, and no tokenizer can encode it."""
@@ -186,8 +192,8 @@ class SamplingParams(SchedulerSamplingParams):
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
         self._check_token_controls()
-        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
-            raise ValueError(f"seed must be None or an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {self.seed!r}")
+        if self.seed is not None:
+            check_int64("seed", self.seed)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from mini_vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_encodable
+from mini_vllm.sampling_params import SamplingParams, check_encodable, check_int64
 
 logger = logging.getLogger("mini_vllm")
 
@@ -132,8 +132,7 @@ class Processor:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({limit}) to leave room for output")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}] (int64), got {priority!r}")
+        check_int64("priority", priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return EngineCoreRequest(str(request_id), text, ids, self._check_params(params, len(ids)),
                                  arrival, priority)
