@@ -184,6 +184,11 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     num_rejected_spec_tokens: int = 0
     num_cached_tokens: int = 0
+    # Filled by the engine core (Chapter 5) from the runner's output, for requests
+    # that asked: one (token_ids, logprobs, sampled_rank) per new token, and the
+    # prompt's (token_ids, logprobs, ranks) once, on the step that completes it.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

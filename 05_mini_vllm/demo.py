@@ -81,7 +81,7 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
             ("inter-token latency p50 / p99", f"{s['itl_p50_s'] * 1e3:.1f} ms / {s['itl_p99_s'] * 1e3:.1f} ms"),
             ("prefix-cache hit rate", f"{100 * s['prefix_cache_hit_rate']:.1f}%"),
             ("KV cache usage (max)", f"{100 * s['kv_cache_usage_max']:.1f}% of "
-                                     f"{eng.engine_core.num_gpu_blocks} blocks"),
+                                     f"{eng.num_gpu_blocks} blocks"),
             ("preemptions", f"{s['num_preemptions']}")]
     if spec is not None:
         per_pos = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])

@@ -38,6 +38,7 @@ from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa:
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.scheduler import ModelRunnerOutput
+from mini_vllm.engine.core_client import InprocClient
 
 # ================================================================ Part 1: the runner
 # ---- the flat batch's index arithmetic (vectorised numpy, no loop per token) ----
@@ -173,8 +174,14 @@ class ModelRunner:
 
 def plug_runner(llm) -> None:
     """Given: replace the model runner of an `LLM` (or an `LLMEngine`) by this
-    module's `ModelRunner` (same model, same KV cache), before it runs any request."""
-    core = getattr(llm, "llm_engine", llm).engine_core
+    module's `ModelRunner` (same model, same KV cache), before it runs any request.
+    The engine core must run in this process (`multiprocess_mode=False`, or
+    MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0), where the runner can be swapped."""
+    client = getattr(llm, "llm_engine", llm).engine_core
+    if not isinstance(client, InprocClient):
+        raise ValueError("plug_runner: the engine core runs in another process; build the engine with "
+                         "multiprocess_mode=False (or MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    core = client.engine_core
     cfg = core.config
     for field, off in (("speculative_config", cfg.speculative is None), ("kv_transfer_config", core.kv_connector is None),
                        ("tensor_parallel_size", getattr(cfg, "tensor_parallel_size", 1) == 1)):

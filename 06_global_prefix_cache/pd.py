@@ -41,8 +41,10 @@ def _serve(model: str, engine_args: dict, conn) -> None:
                 first_step.setdefault(rid, n)
             return super().execute_model(so)
 
-    eng = LLMEngine(config, executor_class=CountingExecutor)
-    core = eng.engine_core
+    # In-process core: this process already is the engine's own process, and the
+    # counting executor (a local class) and its connector are read right here.
+    eng = LLMEngine(config, executor_class=CountingExecutor, multiprocess_mode=False)
+    core = eng.engine_core.engine_core
     conn.send(("ready", None))
     while True:
         while conn.poll(0 if eng.has_unfinished_requests() else None):

@@ -65,10 +65,10 @@ def ttft(eng: LLMEngine, prompt: list[int], rid: str) -> float:
 def remote_trial(tc, prefix, tail_a, tail_b, i) -> tuple[float, dict]:
     a = engine(tc)
     ttft(a, prefix + tail_a, f"a{i}")
-    assert a.engine_core.kv_connector_worker.flush(30), "engine A's saves did not drain"
+    assert a.engine_core.engine_core.kv_connector_worker.flush(30), "engine A's saves did not drain"
     b = engine(tc)
     t = ttft(b, prefix + tail_b, f"b{i}")
-    st = b.engine_core.kv_connector.stats
+    st = b.engine_core.engine_core.kv_connector.stats
     assert st.external_hit_tokens >= 768, f"expected a 768-token remote hit, got {st.external_hit_tokens}"
     return t, st.as_dict()
 

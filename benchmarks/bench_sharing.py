@@ -90,7 +90,7 @@ def make_llm(max_seqs: int, prefix_caching: bool = False) -> LLM:
 
 def run_parallel(llm: LLM, reqs, n: int) -> Meter:
     eng = llm.llm_engine
-    meter = Meter(eng.engine_core)
+    meter = Meter(eng.engine_core.engine_core)
     for i, (prompt, out_len) in enumerate(reqs):
         sp = SamplingParams(n=n, max_tokens=out_len, temperature=1.0, seed=i, ignore_eos=True)
         eng.add_request(f"p{n}-{i}", {"prompt_token_ids": prompt}, sp)
@@ -101,7 +101,7 @@ def run_parallel(llm: LLM, reqs, n: int) -> Meter:
 
 
 def run_beam(llm: LLM, reqs, width: int) -> Meter:
-    meter = Meter(llm.llm_engine.engine_core)
+    meter = Meter(llm.llm_engine.engine_core.engine_core)
     params = [BeamSearchParams(beam_width=width, max_tokens=o, ignore_eos=True) for _, o in reqs]
     run_beam_search(llm.llm_engine, [{"prompt_token_ids": p} for p, _ in reqs], params)
     meter.detach()
@@ -119,8 +119,8 @@ def measure(n_requests: int, datasets=("Alpaca", "ShareGPT"), seed: int = 0, wid
                 llm = make_llm(max_seqs=k * n_requests, prefix_caching=method == "beam")
                 t = time.perf_counter()
                 m = run(llm, reqs, k)
-                assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_free_blocks == \
-                    llm.llm_engine.engine_core.num_gpu_blocks, "blocks leaked"
+                assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == \
+                    llm.llm_engine.num_gpu_blocks, "blocks leaked"
                 rows.append(dict(dataset=dataset, method=method, k=k, saving=100 * m.saving,
                                  peak=m.peak, steps=m.steps, seconds=time.perf_counter() - t))
     return rows

@@ -72,7 +72,7 @@ def run(prompts, sp, spec=None, trials: int = 3, model: str = TARGET):
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         best = min(best, time.perf_counter() - t)
-    stats = llm.llm_engine.engine_core.spec_decoding_stats()
+    stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     return best, [o.outputs[0].token_ids for o in outs], stats
 
 

@@ -80,7 +80,7 @@ def run_tp(tp: int, n: int = 8, prompt_len: int = 64, max_tokens: int = 32) -> d
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm-up
     COMM_STATS.clear()
     COMM_CALLS.clear()
-    core, n_steps = llm.llm_engine.engine_core, [0]
+    core, n_steps = llm.llm_engine.engine_core.engine_core, [0]
     core_step = core.step
 
     def counted_step():
@@ -94,10 +94,10 @@ def run_tp(tp: int, n: int = 8, prompt_len: int = 64, max_tokens: int = 32) -> d
     stats, calls = dict(COMM_STATS), dict(COMM_CALLS)
     idle_us = 0.0
     if tp > 1:  # one decode token's all-reduce (hidden floats), and a 64-token prefill chunk's
-        ex = llm.llm_engine.engine_core.executor
+        ex = llm.llm_engine.engine_core.engine_core.executor
         idle_us = [1e6 * max(ex.collective_rpc(all_reduce_latency, cfg["hidden_size"] * t, 200))
                    for t in (1, 64)]
-    procs = list(getattr(llm.llm_engine.engine_core.executor, "procs", []))
+    procs = list(getattr(llm.llm_engine.engine_core.engine_core.executor, "procs", []))
     llm.shutdown()
     forwarded = n * prompt_len + n * (max_tokens - 1)  # the last sampled token is never fed back
     sampled = n * max_tokens

@@ -9,6 +9,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine core in the test's own process unless a test asks for its own process
+# (`multiprocess_mode=True`, or a server, which runs it the way it is deployed):
+# a spawned core re-imports torch, seconds per engine, and most tests look inside
+# the core (`llm.llm_engine.engine_core.engine_core.scheduler`).
+os.environ.setdefault("MINI_VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 

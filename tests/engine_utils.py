@@ -50,7 +50,7 @@ def run_greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
 
 
 def assert_pool_full(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     kv = core.scheduler.kv_cache_manager
     assert not core.scheduler.has_unfinished_requests(), "requests left in the scheduler"
     assert kv.num_free_blocks == core.num_gpu_blocks, (

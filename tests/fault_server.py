@@ -13,7 +13,10 @@ variable MINI_VLLM_TEST_FAULT says which faults (comma-separated):
   true by construction (N * S well above X) instead of by the engine being slow.
 
 The patches wrap `UniProcExecutor.execute_model` (the server's executor at one
-rank) before the CLI builds the engine; nothing in `mini_vllm` knows of them.
+rank) when this file is imported; nothing in `mini_vllm` knows of them. They
+are applied at the top level, not under `__main__`, because the engine core
+runs in a spawned process, which imports this script again (as
+`__mp_main__`) before it builds its executor: the core gets the same faults.
 """
 from __future__ import annotations
 
@@ -52,9 +55,11 @@ def with_fault(fault: str, execute):
     return execute_model
 
 
-if __name__ == "__main__":
+if __name__ in ("__main__", "__mp_main__"):  # the server, and its spawned engine core
     for f in os.environ["MINI_VLLM_TEST_FAULT"].split(","):
         UniProcExecutor.execute_model = with_fault(f.strip(), UniProcExecutor.execute_model)
+
+if __name__ == "__main__":
     from mini_vllm.entrypoints.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -39,8 +39,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/mini_vllm_server_{self.port}.log"
+        # The server runs its engine core in a process of its own, as deployed (the
+        # test process itself defaults to an in-process core, see conftest.py).
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   **(env or {}))
+                   MINI_VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
         env.pop("MINI_VLLM_API_KEY", None)
         launcher = ["-m", "mini_vllm"] if fault is None else [str(Path(__file__).with_name("fault_server.py"))]
         if fault is not None:

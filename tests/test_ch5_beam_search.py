@@ -218,7 +218,7 @@ def _check_tables(core, log=None) -> None:
 
 def test_beams_share_prefix_blocks_through_prefix_caching(target_llm):
     llm, w, n, bs = target_llm, 4, 24, 16
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     prompt = _long_prompt(llm.get_tokenizer())
     log, scheduled = [], []
     real_schedule = core.scheduler.schedule
@@ -233,7 +233,7 @@ def test_beams_share_prefix_blocks_through_prefix_caching(target_llm):
     try:
         # After every step the finished round's requests hold nothing: only unfinished ones own blocks.
         (out,) = run_beam_search(llm.llm_engine, [prompt], BeamSearchParams(w, n, ignore_eos=True),
-                                 on_step=lambda eng: _check_tables(eng.engine_core))
+                                 on_step=lambda eng: _check_tables(eng.engine_core.engine_core))
     finally:
         del core.scheduler.schedule
     # Round r re-submits W beams of len(prompt) + r tokens; prefix caching gives each all but
@@ -279,7 +279,7 @@ def test_constrained_engine_gives_the_same_beams(target_llm):
     tok = target_llm.get_tokenizer()
     prompts = [{"prompt_token_ids": p} for p in _code_prompts(tok) + [_long_prompt(tok, 120)]]
     params = BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True)
-    roomy = target_llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    roomy = target_llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
     q0, h0 = roomy.queries, roomy.hits
     want = [[s.tokens for s in o.sequences] for o in target_llm.beam_search(prompts, params)]
     roomy_hit_rate = (roomy.hits - h0) / (roomy.queries - q0)
@@ -287,7 +287,7 @@ def test_constrained_engine_gives_the_same_beams(target_llm):
     small = make_llm(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=12)
     got = [[s.tokens for s in o.sequences] for o in small.beam_search(prompts, params)]
     assert got == want, "scheduling pressure changed the beams: an evicted or waiting beam lost state"
-    st = small.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    st = small.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
     assert st.hits / st.queries < roomy_hit_rate, \
         "setup: the small pool should evict the beams' cached prefixes, so that they are recomputed"
     assert_pool_full(small)

@@ -54,7 +54,7 @@ def test_min_tokens_defers_stop_token(llm, free_run):
 
 
 def test_eos_stops_unless_ignore_eos(llm, free_run):
-    eng = llm.llm_engine
+    eng = llm.llm_engine.processor  # it stamps the EOS id on every request
     saved = eng.eos_token_id
     eng.eos_token_id = free_run.token_ids[3]  # pretend this token is EOS
     try:
@@ -141,11 +141,11 @@ def test_fork_shares_prompt_blocks(llm):
     eng = llm.llm_engine
     eng.add_request("fork", {"prompt_token_ids": prompt},
                     SamplingParams(n=4, max_tokens=4, temperature=1.0, top_k=1, ignore_eos=True))
-    kv = eng.engine_core.scheduler.kv_cache_manager
+    kv = eng.engine_core.engine_core.scheduler.kv_cache_manager
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()
-        peak = max(peak, eng.engine_core.num_gpu_blocks - kv.num_free_blocks)
+        peak = max(peak, eng.num_gpu_blocks - kv.num_free_blocks)
     assert peak < 12 * 2, f"n=4 held {peak} blocks at peak: the prompt blocks were not shared"
 
 
@@ -186,11 +186,11 @@ def test_abort_frees_blocks_and_spares_others(when):
     steps = 2 if when == "mid_prefill" else 9  # 90 tokens at 16 per step: prefill ends in step 6
     for _ in range(steps):
         eng.step()
-    victim = eng.engine_core.scheduler.requests["victim"]
+    victim = eng.engine_core.engine_core.scheduler.requests["victim"]
     mid_prefill = victim.num_computed_tokens < len(long_prompt)
     assert mid_prefill == (when == "mid_prefill"), "test set-up did not reach the intended phase"
     eng.abort_request("victim")
-    assert "victim" not in eng.engine_core.scheduler.kv_cache_manager._req_blocks, "abort kept blocks"
+    assert "victim" not in eng.engine_core.engine_core.scheduler.kv_cache_manager._req_blocks, "abort kept blocks"
     final = None
     while eng.has_unfinished_requests():
         for o in eng.step():

@@ -65,8 +65,9 @@ def test_bad_request_in_a_batch_adds_nothing(llm):
 
 
 def test_batch_the_engine_core_refuses_adds_nothing():
-    # Valid for the processor (shorter than max_model_len), too large for a 4-block pool:
-    # the scheduler refuses the second request after the first was added.
+    # Shorter than max_model_len, too large for a 4-block pool: the processor refuses
+    # the second request (it knows the pool from the core's handshake) before the
+    # first is added, and the scheduler would refuse it too.
     small = make_llm(block_size=8, max_model_len=128, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="could never run"):
         small.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 60))}],

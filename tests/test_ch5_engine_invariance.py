@@ -90,7 +90,7 @@ def test_preemption_really_happens_and_changes_nothing(mode, impl):
     llm = make_llm_for(impl, block_size=8, max_model_len=128, num_gpu_blocks_override=9,
                        preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     got = run_greedy(llm, prompts, 30)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
     for p, g in zip(prompts, got):
         assert g == list(_alone(tuple(p), 30)), f"{mode} preemption changed a request's tokens"
     assert_pool_full(llm)
@@ -112,7 +112,7 @@ def test_seeded_sampling_invariant_under_preemption(mode, impl):
 
     _, want = run()
     llm, got = run(impl, num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (f"seeded request {i} changed under {mode} preemption: its generator was reset or "
                         f"re-created when it was preempted instead of continuing its draws\n got  {g}\n want {w}")
@@ -127,7 +127,7 @@ def test_same_step_prefix_hit_reads_kv_written_in_that_step(backend, impl):
     p = list(range(300, 340))
     llm = make_llm_for(impl, block_size=8, max_model_len=128, attention_backend=backend)
     got = run_greedy(llm, [p, p, p[:33]], [6, 6, 6])
-    stats = llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    stats = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0, "the repeated prompt did not hit the prefix cache"
     assert got[0] == got[1] == list(_alone(tuple(p), 6)), "a same-step prefix hit read unwritten KV"
     assert got[2] == list(_alone(tuple(p[:33]), 6))

@@ -35,7 +35,7 @@ def test_prefix_cache_hit_rate_counts_shared_prompt():
     p = list(range(50, 90))
     llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.generate([{"prompt_token_ids": p + [7]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    sched = llm.llm_engine.engine_core.make_stats()
+    sched = llm.llm_engine.engine_core.call_utility("make_stats")
     assert sched.prefix_cache_hits == 40, "the second request should hit all 5 blocks of the first prompt"
     assert sched.prefix_cache_queries == 40 + 41
     assert 0.4 < llm.llm_engine.metrics.prefix_cache_hit_rate < 0.6

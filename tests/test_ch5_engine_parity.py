@@ -44,7 +44,7 @@ def test_greedy_batch_matches_hf_generate(hf, tok, backend, impl):
     assert len({len(p) for p in prompts}) >= 8, "prompts must have different lengths"
     lens = [20, 12, 30, 8, 25, 16, 20, 10, 14]
     llm = make_llm_for(impl, block_size=16, attention_backend=backend)
-    assert llm.llm_engine.engine_core.executor.collective_rpc(lambda w: w.attention_backend)[0] == backend, "backend not the one asked for"
+    assert llm.llm_engine.engine_core.engine_core.executor.collective_rpc(lambda w: w.attention_backend)[0] == backend, "backend not the one asked for"
     got = run_greedy(llm, prompts, lens)
     for i, (p, n) in enumerate(zip(prompts, lens)):
         want = hf_greedy(hf, p, n)

@@ -75,7 +75,7 @@ def test_prefix_cache_hit_is_skipped_for_prompt_logprobs(hf, prompts):
     logits, so a request with prompt_logprobs computes its whole prompt; the
     blocks it writes still serve the next request."""
     llm = make_llm(block_size=8, max_num_batched_tokens=16)
-    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     p = {"prompt_token_ids": prompts[1]}
     llm.generate(p, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     hits = kv.prefix_cache_stats.hits

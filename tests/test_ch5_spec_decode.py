@@ -39,7 +39,7 @@ def test_greedy_identical_to_no_speculation(method, k, code_prompts):
     base = run_greedy(make_llm(block_size=8), code_prompts, 24)
     llm = make_llm(block_size=8, speculative_config=spec(method, k))
     assert run_greedy(llm, code_prompts, 24) == base, f"{method} k={k} changed greedy tokens"
-    stats = llm.llm_engine.engine_core.spec_decoding_stats()
+    stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     assert stats["num_accepted"] > 0, "no draft was ever accepted: speculation did not run"
     assert_pool_full(llm)
 
@@ -130,7 +130,7 @@ def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatc
     base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
     llm = make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1))
     with_spec = _first_tokens(llm, prompt, n, seed=2)
-    stats = llm.llm_engine.engine_core.spec_decoding_stats()
+    stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
     z_base, z_spec = _draft_agreement_z(base, prompt), _draft_agreement_z(with_spec, prompt)
     assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
@@ -149,7 +149,7 @@ def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatc
 
 
 def _kv_of(llm, rid: str, n: int) -> list[torch.Tensor]:
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     blocks = core.scheduler.kv_cache_manager.get_block_ids(rid)
     bs = core.config.block_size
     slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
@@ -166,9 +166,9 @@ def test_rejected_drafts_leave_the_same_kv_as_a_fresh_prefill(code_prompts):
     eng.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     for _ in range(8):
         eng.step()
-    stats = eng.engine_core.spec_decoding_stats()
+    stats = eng.engine_core.call_utility("spec_decoding_stats")
     assert stats["num_accepted"] < stats["num_drafts"], "no rejection happened; pick another prompt"
-    req = eng.engine_core.scheduler.requests["r"]
+    req = eng.engine_core.engine_core.scheduler.requests["r"]
     n = req.num_computed_tokens
     tokens = list(req.all_token_ids)
     got = _kv_of(llm, "r", n)

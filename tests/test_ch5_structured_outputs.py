@@ -86,7 +86,7 @@ def test_speculative_decoding_serves_constrained_requests_without_drafts():
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
-    assert spec.llm_engine.engine_core.spec_decoding_stats()["num_drafts"] == 0, \
+    assert spec.llm_engine.engine_core.call_utility("spec_decoding_stats")["num_drafts"] == 0, \
         "a constrained request was given drafts that the grammar never checked"
 
 

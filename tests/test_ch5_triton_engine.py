@@ -84,9 +84,9 @@ def test_triton_backend_matches_torch_backend_and_hf(model):
     vocab = hf.config.vocab_size
     prompts = _prompts(vocab)
     got_tokens, got_lp, llm = _serve(path, "triton", prompts, vocab)
-    backend = llm.llm_engine.engine_core.executor.collective_rpc(lambda worker: worker.attention_backend)[0]
+    backend = llm.llm_engine.engine_core.engine_core.executor.collective_rpc(lambda worker: worker.attention_backend)[0]
     assert backend == "triton", "the engine did not run the backend it was asked for"
-    hits = llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits
+    hits = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits
     assert hits > 0, "the workload must hit the prefix cache (repeated and shared prompts)"
     assert_pool_full(llm)
 

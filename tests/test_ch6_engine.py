@@ -93,7 +93,7 @@ def assert_same_as_reference(got, want, what):
 
 
 def flush(llm):
-    assert llm.llm_engine.engine_core.kv_connector_worker.flush(10), "saves did not drain"
+    assert llm.llm_engine.engine_core.engine_core.kv_connector_worker.flush(10), "saves did not drain"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk, t
         assert per_req[rid] == len(p) - shared + 5, (
             f"request {rid} computed {per_req[rid] - 5} prompt tokens; only the tail "
             f"{len(p) - shared} beyond A's {shared} cached tokens should be")
-    st = b.llm_engine.engine_core.kv_connector.stats
+    st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     assert st.external_hit_tokens >= shared and st.blocks_loaded == shared // BS
     assert st.corrupt_blocks == 0 and st.store_errors == 0
     assert_pool_full(b)
@@ -129,7 +129,7 @@ def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk, t
 
 def _core_run(llm, reqs, max_tokens=4):
     """Drive the engine core directly (Requests carry a cache salt)."""
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     for r in reqs:
         core.add_request(r)
     out = {r.request_id: [] for r in reqs}
@@ -150,7 +150,7 @@ def test_cache_salt_isolates_tenants(pool_name, tc):
     a = make_llm(kv_transfer_config=tc(pool_name))
     ref = _core_run(a, [_req("a", p, "tenant-1")])
     b = make_llm(kv_transfer_config=tc(pool_name))
-    st = b.llm_engine.engine_core.kv_connector.stats
+    st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     got = _core_run(b, [_req("b1", p, "tenant-2"), _req("b2", p, None)])
     assert st.hit_blocks == 0, "a block saved under one cache salt was found under another"
     assert got["b1"] == got["b2"] == ref["a"]
@@ -167,7 +167,7 @@ def test_other_dtype_never_hits(pool_name, tc):
     assert len(get_local_pool(pool_name, 1)) == 6 + 2 * 2, "A should have saved every full block once"
     b16 = make_llm(kv_transfer_config=tc(pool_name), dtype="bfloat16")
     run_greedy(b16, prompts, 2)
-    assert b16.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, \
+    assert b16.llm_engine.engine_core.engine_core.kv_connector.stats.hit_blocks == 0, \
         "a bfloat16 engine loaded float32 blocks"
 
 
@@ -204,7 +204,7 @@ def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path, tc):
     assert len(get_local_pool(pool_name, 1)) == 6 + 2 * 2, "A should have saved every full block once"
     other = make_llm(other_path, kv_transfer_config=tc(pool_name))
     out = run_greedy(other, prompts, 2)
-    assert other.llm_engine.engine_core.kv_connector.stats.hit_blocks == 0, (
+    assert other.llm_engine.engine_core.engine_core.kv_connector.stats.hit_blocks == 0, (
         "an engine with other weights loaded this model's blocks: the store key must include the model "
         "fingerprint")
     assert out == run_greedy(make_llm(other_path), prompts, 2)
@@ -216,14 +216,14 @@ def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference
     run_greedy(a, [p], 2)
     flush(a)
     pool = get_local_pool(pool_name, 1)
-    conn = a.llm_engine.engine_core.kv_connector
+    conn = a.llm_engine.engine_core.engine_core.kv_connector
     key = conn.keys_for(p)[3]  # the fourth block
     data = bytearray(pool.batch_get([key])[0])
     data[len(data) // 2] ^= 0x40
     pool.raw_set(key, bytes(data))
     b, log = recording_llm(kv_transfer_config=tc(pool_name))
     assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3), "a corrupted block was loaded"
-    st = b.llm_engine.engine_core.kv_connector.stats
+    st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     assert st.corrupt_blocks == 1 and st.hit_blocks == 3
     assert computed_per_request(log)["0"] == len(p) - 3 * BS + 2, \
         "blocks from the corrupted one onwards must be recomputed"
@@ -241,7 +241,7 @@ def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference, tc)
     assert len(get_local_pool(pool_name, 1)) <= 5
     b = make_llm(kv_transfer_config=tc(pool_name), **kw)
     assert run_greedy(b, prompts, 16) == want
-    assert a.llm_engine.engine_core.scheduler.num_preemptions > 0, "the test should preempt"
+    assert a.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the test should preempt"
     assert_pool_full(a)
     assert_pool_full(b)
 

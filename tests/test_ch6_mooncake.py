@@ -47,4 +47,4 @@ def test_two_engines_share_mooncake(master):
     per_req = computed_per_request(log)
     for rid, p in zip(sorted(per_req, key=int), pb):
         assert per_req[rid] == len(p) - 150 // BS * BS + 2
-    assert b.llm_engine.engine_core.kv_connector.stats.blocks_loaded == 150 // BS
+    assert b.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_loaded == 150 // BS

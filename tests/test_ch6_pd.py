@@ -77,7 +77,7 @@ def test_hand_off_through_a_valkey_server():
         want = run_greedy(make_llm(), prompts, 5)
         for i, p in enumerate(prompts):
             (t1,) = run_greedy(prefill, [p], 1)
-            assert prefill.llm_engine.engine_core.kv_connector_worker.flush(10)
+            assert prefill.llm_engine.engine_core.engine_core.kv_connector_worker.flush(10)
             log.clear()
             rest = run_greedy(decode, [p + t1], 4)[0]
             assert t1 + rest == want[i], f"prompt {i}: P/D tokens differ from a single engine's"

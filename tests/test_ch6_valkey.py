@@ -52,8 +52,8 @@ sys.path.insert(0, {tests!r})
 from engine_utils import make_llm, run_greedy
 llm = make_llm(kv_transfer_config={tc!r})
 out = run_greedy(llm, {prompts!r}, 3)
-assert llm.llm_engine.engine_core.kv_connector_worker.flush(20)
-print(json.dumps({{"out": out, "saved": llm.llm_engine.engine_core.kv_connector.stats.blocks_saved}}))
+assert llm.llm_engine.engine_core.engine_core.kv_connector_worker.flush(20)
+print(json.dumps({{"out": out, "saved": llm.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_saved}}))
 """
 
 
@@ -78,7 +78,7 @@ def test_two_engine_processes_share_one_server(fresh, reference, impl):
     for rid, p in zip(sorted(per_req, key=int), b_prompts):
         assert per_req[rid] == len(p) - shared + 3, \
             f"request {rid}: B should compute only the {len(p) - shared}-token tail"
-    st = b.llm_engine.engine_core.kv_connector.stats
+    st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     assert st.blocks_loaded == shared // BS and st.store_errors == 0
 
 
@@ -87,13 +87,13 @@ def test_flipped_bytes_in_the_server_are_a_miss(fresh, reference):
     a = make_llm(kv_transfer_config=tc(fresh.url))
     run_greedy(a, [p], 2)
     flush(a)
-    key = a.llm_engine.engine_core.kv_connector.keys_for(p)[1]
+    key = a.llm_engine.engine_core.engine_core.kv_connector.keys_for(p)[1]
     r = redis.Redis.from_url(fresh.url)
     byte = r.getrange(key, 5000, 5000)
     r.setrange(key, 5000, bytes([byte[0] ^ 0x01]))  # one bit, in the server itself
     b = make_llm(kv_transfer_config=tc(fresh.url))
     assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3)
-    st = b.llm_engine.engine_core.kv_connector.stats
+    st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     assert (st.corrupt_blocks, st.hit_blocks, st.blocks_loaded) == (1, 1, 1), \
         "only the block before the corrupted one may load"
 
@@ -122,7 +122,7 @@ def test_server_killed_mid_run_then_restarted(reference, caplog):
         want = run_greedy(reference, prompts + late, 12)
         assert [outs[str(i)] for i in range(4)] + [outs["late0"], outs["late1"]] == want, \
             "a dead store changed an output"
-        st = eng.engine_core.kv_connector.stats
+        st = eng.engine_core.engine_core.kv_connector.stats
         assert st.store_errors > 0, "the failures must be counted"
         assert any("unavailable" in r.getMessage() for r in caplog.records), "and logged"
         srv = ValkeyServerProcess(port=srv.port).start()  # back, empty
@@ -133,7 +133,7 @@ def test_server_killed_mid_run_then_restarted(reference, caplog):
         flush(again)
         c = make_llm(kv_transfer_config=cfg)
         assert run_greedy(c, [q], 2) == run_greedy(reference, [q], 2)
-        assert c.llm_engine.engine_core.kv_connector.stats.hit_blocks == 80 // BS, \
+        assert c.llm_engine.engine_core.engine_core.kv_connector.stats.hit_blocks == 80 // BS, \
             "hits must resume once the server is back"
     finally:
         srv.stop()
@@ -168,7 +168,7 @@ def test_slow_server_falls_back_within_the_timeout(reference):
         srv.stop()
     assert not waited, "the engine waited for the stalled server instead of timing out"
     assert out == run_greedy(reference, [p], 2)
-    conn = b.llm_engine.engine_core.kv_connector
+    conn = b.llm_engine.engine_core.engine_core.kv_connector
     assert conn.stats.store_errors >= 1 and conn.stats.blocks_loaded == 0
     assert conn.store.num_failures == 1, \
         f"{conn.store.num_failures} calls timed out: after one, the store must be skipped for retry_interval_s"

@@ -117,7 +117,7 @@ def test_prompt_lookup_pays_on_the_editor(tok, heldout_ids):
     spec.llm_engine.step = counted_step
     got = spec.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want, "greedy speculation changed the output"
-    rate = spec.llm_engine.engine_core.spec_decoding_stats()["acceptance_rate"]
+    rate = spec.llm_engine.engine_core.call_utility("spec_decoding_stats")["acceptance_rate"]
     # The target, whose greedy text loops, also gets some drafts accepted (about 2.4 tokens
     # per step here); a model that copies must do clearly better.
     assert rate >= 0.5 and len(got) >= 3 * steps, \

@@ -45,7 +45,7 @@ def test_greedy_tokens_identical_with_chunking_prefix_hits_and_preemption(engine
     prompts = _prompts(0, 6)
     ref = run_greedy(one, prompts, 48)
     got = run_greedy(two, prompts, 48)
-    s1, s2 = (llm.llm_engine.engine_core.make_stats() for llm in engines)
+    s1, s2 = (llm.llm_engine.engine_core.call_utility("make_stats") for llm in engines)
     assert s1.num_preemptions > 0 and s1.prefix_cache_hits > 0, \
         "workload too small: it must preempt and hit the prefix cache to test those paths"
     assert (s2.num_preemptions, s2.prefix_cache_hits) == (s1.num_preemptions, s1.prefix_cache_hits), \
@@ -56,7 +56,7 @@ def test_greedy_tokens_identical_with_chunking_prefix_hits_and_preemption(engine
 
 def test_each_rank_holds_its_kv_heads_slice_after_every_step(engines):
     one, two = engines
-    ex1, ex2 = (llm.llm_engine.engine_core.executor for llm in engines)
+    ex1, ex2 = (llm.llm_engine.engine_core.engine_core.executor for llm in engines)
     assert ex2.collective_rpc(operator.attrgetter("tp_group.rank")) == [0, 1]
     (nkv,) = ex1.collective_rpc(operator.attrgetter("num_kv_heads"))
     assert ex2.collective_rpc(operator.attrgetter("num_kv_heads")) == [nkv // 2] * 2, \

@@ -26,7 +26,7 @@ def test_killed_worker_fails_fast_with_a_clear_error():
     for i, p in enumerate(PROMPTS * 4):
         eng.add_request(str(i), {"prompt_token_ids": p}, greedy(400))
     eng.step()
-    ex = eng.engine_core.executor
+    ex = eng.engine_core.engine_core.executor
     pid, driver = ex.procs[0].pid, ex.driver_worker
     real_execute = driver.execute_model
     killed_at = []
@@ -53,7 +53,7 @@ def test_killed_worker_fails_fast_with_a_clear_error():
 def test_exception_in_one_worker_fails_fast_instead_of_hanging():
     """Rank 1 raises while rank 0 waits in a collective for its result."""
     llm = make_llm(tensor_parallel_size=2)
-    ex = llm.llm_engine.engine_core.executor
+    ex = llm.llm_engine.engine_core.engine_core.executor
     assert ex.collective_rpc(fail_on_rank, 5) == [0, 1]  # no rank 5: nobody fails
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 1\) died"):
@@ -87,7 +87,7 @@ def test_workers_exit_when_the_driver_is_killed():
             "from mini_vllm.course.tiny_models import model_path\n"
             "llm = LLM(str(model_path('tiny-py-target')), device='cpu', kv_cache_memory_bytes=8 << 20,"
             " tensor_parallel_size=2)\n"
-            "print(llm.llm_engine.engine_core.executor.procs[0].pid, flush=True)\n"
+            "print(llm.llm_engine.engine_core.engine_core.executor.procs[0].pid, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -25,7 +25,7 @@ def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
     ref = run_greedy(one, prompts, 10)
     four = make_llm(tensor_parallel_size=4, num_gpu_blocks_override=64)
     try:
-        ex = four.llm_engine.engine_core.executor
+        ex = four.llm_engine.engine_core.engine_core.executor
         assert ex.collective_rpc(operator.attrgetter("tp_group.rank")) == [0, 1, 2, 3]
         assert ex.collective_rpc(operator.attrgetter("num_kv_heads")) == [1] * 4, \
             "2 kv heads over 4 ranks: each rank holds one (replicated) kv head"
@@ -34,7 +34,7 @@ def test_tiny_target_tp4_replicates_kv_heads_and_matches_tp1():
     finally:
         four.shutdown()
     assert got == ref, "TP = 4 (replicated kv heads) greedy tokens differ from TP = 1"
-    full = one.llm_engine.engine_core.executor.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))[0]
+    full = one.llm_engine.engine_core.engine_core.executor.collective_rpc(operator.attrgetter("cache_engine.gpu_cache"))[0]
     for layer, (k, v) in enumerate(full):
         for r, c in enumerate(caches):
             kv = r // 2  # ranks 0, 1 read kv head 0; ranks 2, 3 read kv head 1

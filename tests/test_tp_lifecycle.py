@@ -37,7 +37,7 @@ def _port_is_free(port: int) -> bool:
 
 def test_shutdown_stops_workers_frees_the_port_and_is_idempotent():
     llm = make_llm(tensor_parallel_size=2)
-    ex = llm.llm_engine.engine_core.executor
+    ex = llm.llm_engine.engine_core.engine_core.executor
     procs, port = list(ex.procs), ex.port
     assert len(procs) == 1 and procs[0].is_alive()
     assert not _port_is_free(port), "the rendezvous store should listen while the engine runs"
@@ -53,7 +53,7 @@ def test_shutdown_stops_workers_frees_the_port_and_is_idempotent():
 
 def test_garbage_collected_engine_stops_its_workers():
     llm = make_llm(tensor_parallel_size=2)
-    procs = list(llm.llm_engine.engine_core.executor.procs)
+    procs = list(llm.llm_engine.engine_core.engine_core.executor.procs)
     del llm
     gc.collect()
     deadline = time.monotonic() + 20
@@ -75,7 +75,7 @@ def test_torchrun_style_environment_on_loopback(monkeypatch):
         two = make_llm(tensor_parallel_size=2)
         for k in (*env, "RANK"):
             monkeypatch.delenv(k)
-        assert two.llm_engine.engine_core.executor.procs == [], "torchrun mode spawns no local worker"
+        assert two.llm_engine.engine_core.engine_core.executor.procs == [], "torchrun mode spawns no local worker"
         got = run_greedy(two, PROMPTS, 8)
         two.shutdown()
         assert remote.wait(timeout=30) == 0, "the remote rank must exit cleanly on shutdown"

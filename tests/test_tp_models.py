@@ -30,7 +30,7 @@ def test_random_models_tp2_greedy_identical_to_tp1_and_hf(tmp_path, name):
     ref = run_greedy(make_llm(path, **kw), prompts, 12)
     two = make_llm(path, tensor_parallel_size=2, **kw)
     try:
-        kv = two.llm_engine.engine_core.executor.collective_rpc(operator.attrgetter("num_kv_heads"))
+        kv = two.llm_engine.engine_core.engine_core.executor.collective_rpc(operator.attrgetter("num_kv_heads"))
         heads = TP_CONFIGS[name]().num_key_value_heads
         assert kv == [max(1, heads // 2)] * 2, "kv heads per rank: split, or 1 when replicated"
         got = run_greedy(two, prompts, 12)

@@ -1,39 +1,46 @@
-"""An asyncio front end over `LLMEngine`: one engine thread, one output stream per request.
+"""An asyncio front end over the engine core: one output stream per request.
 
 vLLM counterpart: `vllm/v1/engine/async_llm.py` (`AsyncLLM.generate`, `abort`,
-the output handler loop) and `vllm/v1/engine/output_processor.py`'s
-`RequestOutputCollector`. vLLM runs the engine core in another process behind
-ZeroMQ; here it runs in one background thread of the server process.
+`output_handler`) and `vllm/v1/engine/output_processor.py`'s
+`RequestOutputCollector`. As in vLLM, the engine core (scheduler + executor)
+runs in its own process behind an `AsyncMPClient`; this process only
+validates and tokenizes requests, detokenizes outputs and serves HTTP, so
+none of that waits for a forward pass or holds the interpreter lock a
+forward pass needs. `MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0` runs the same
+core loop in a thread of this process instead (tests, notebooks).
 
 Invariants:
-- `LLMEngine` is not thread-safe, so every engine call (add_request,
-  abort_request, step, and anything passed to `run_on_engine`) runs on the
-  engine thread. The event loop only puts commands in a queue and awaits
-  their futures: it never waits for a forward pass.
-- Each request owns an `asyncio.Queue`; the engine thread hands a step's
-  outputs to the loop with one `call_soon_threadsafe` per step.
-- A command is applied before the next `step()`, so `await abort(id)`
-  returns with the request's KV blocks already back in the pool.
-- `add_request` returns only once the engine accepted the request (or
-  raised its ValueError), so a server can answer 400 before streaming. Its
-  `RequestOutputStream` ends after the finished output; a consumer that
-  stops early (a disconnected client, a cancelled task) aborts the request
-  through `close()`, which `generate()` calls in its `finally`.
-- If `step()` raises, the engine is dead: every stream and every later call
-  raises `EngineDeadError` instead of hanging, and `on_dead(exc)` runs on the
-  event loop (the server uses it to exit, so that a supervisor restarts it, as
-  vLLM's API server does when its engine core dies).
+- Everything of the front end (processor, output processor, detokenizers,
+  metrics) runs on the event loop's thread: `add_request` validates and
+  sends, and one `output_handler` task turns each core step into outputs.
+  The event loop never waits for a step.
+- Each request owns an `asyncio.Queue`; a request is registered before it is
+  sent, so no output can be missed.
+- Messages reach the core in call order: a request aborted (`abort`, or a
+  stream closed early by a consumer that went away) is freed by the core
+  before its next schedule, and a utility call sent after the abort sees its
+  blocks back in the pool.
+- `add_request` raises the processor's ValueError (naming the field) before
+  anything is sent, so a server can answer 400 before streaming; nothing of
+  the request stays behind.
+- If the core dies (its step raised, or its process was killed), every stream
+  and every later call raises `EngineDeadError` instead of hanging,
+  `is_running` turns False and `on_dead(exc)` runs once, on the event loop
+  (the server exits through it, so that a supervisor restarts it, as vLLM's
+  API server does when its engine core dies).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 from typing import AsyncGenerator, Callable
 
-from mini_vllm.engine.async_stream import ABORTED, EngineDeadError, RequestOutputStream
+from mini_vllm.config import EngineConfig
+from mini_vllm.engine import multiprocessing_enabled
+from mini_vllm.engine.async_stream import ABORTED, RequestOutputStream
+from mini_vllm.engine.core_client import AsyncMPClient
+from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.metrics.stats import StepStats
 from mini_vllm.outputs import RequestOutput
@@ -48,35 +55,57 @@ _MAX_KEPT_SAMPLES = 100_000
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, stat_loggers=(),
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`engine`: the front end (processor, output processor, metrics) around an
+        `AsyncMPClient`; `from_engine_args` builds it."""
+        if not isinstance(engine.engine_core, AsyncMPClient):
+            raise ValueError("AsyncLLM needs an LLMEngine built around an AsyncMPClient; "
+                             "use AsyncLLM.from_engine_args")
         self.engine = engine
-        self.on_dead = on_dead  # called once, on the event loop, when the engine thread dies
+        self.engine_core: AsyncMPClient = engine.engine_core
+        self.on_dead = on_dead  # called once, on the event loop, when the core dies
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.stat_loggers = list(stat_loggers)
-        self._cmds: queue.Queue = queue.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopped = False
         m = engine.metrics
         self._cursor = [m.num_prompt_tokens, m.num_generation_tokens, len(m.ttfts), len(m.itls),
                         len(m.e2e_latencies), len(m.finished), len(m.iteration_tokens)]
-        self._thread = threading.Thread(target=self._run, name="mini-vllm-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_engine_args(cls, model: str, stat_loggers=(), on_dead=None, **engine_args) -> "AsyncLLM":
-        return cls(LLMEngine.from_engine_args(str(model), **engine_args), stat_loggers, on_dead)
+        """`engine_args`: EngineConfig's fields, plus `tokenizer_obj`, `executor_class`
+        and `multiprocess_mode` (None: MINI_VLLM_ENABLE_V1_MULTIPROCESSING, default on)."""
+        tok = engine_args.pop("tokenizer_obj", None)
+        executor_class = engine_args.pop("executor_class", None)
+        mp = engine_args.pop("multiprocess_mode", None)
+        mp = multiprocessing_enabled() if mp is None else mp
+        config = EngineConfig.from_kwargs(str(model), **engine_args)
+        client = AsyncMPClient(config, executor_class, in_thread=not mp)
+        try:
+            engine = LLMEngine(config, tok, executor_class, client=client)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(engine, stat_loggers, on_dead)
 
     def get_tokenizer(self):
         return self.tokenizer
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        return self._dead is None and not self._stopped and self.engine_core.is_alive
 
     # ------------------------------------------------------------ public API
+    async def start(self) -> None:
+        """Start watching the core's outputs now (the server calls it at startup, so
+        that a core that dies while idle still stops the server)."""
+        self._bind_loop()
+
     async def add_request(self, request_id: str | None, prompt, sampling_params, *, priority: int = 0,
                           output_kind: str = "delta") -> RequestOutputStream:
         """Validate and add one request; returns its output stream.
@@ -91,11 +120,7 @@ class AsyncLLM:
         stream = RequestOutputStream(self, rid)
         self._queues[rid] = stream.queue  # registered before the add, so no output can be missed
         try:
-            await self._submit(lambda e: e.add_request(rid, prompt, sampling_params, priority=priority,
-                                                       output_kind=output_kind))
-        except asyncio.CancelledError:
-            stream.close()  # the add still runs on the engine thread: undo it
-            raise
+            self.engine.add_request(rid, prompt, sampling_params, priority=priority, output_kind=output_kind)
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -115,38 +140,42 @@ class AsyncLLM:
             stream.close()  # a client that went away must not keep its blocks
 
     async def abort(self, request_ids) -> None:
-        """Abort and wait until the engine has freed the requests' blocks; their
-        streams then end without a finished output."""
+        """Abort requests: their streams end without a finished output, and the core
+        frees their blocks before its next schedule."""
+        self.abort_nowait(request_ids)
+
+    def abort_nowait(self, request_ids) -> None:
+        """`abort` without a coroutine (callable from a generator's finally)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._bind_loop()
-        await self._submit(lambda e: e.abort_request(ids))
+        try:
+            self.engine.abort_request(ids)
+        except EngineDeadError:  # nothing to free in a dead core; forget the requests here
+            self.engine.output_processor.abort_requests(ids)
         for rid in ids:
             q = self._queues.get(rid)
             if q is not None:
                 q.put_nowait(ABORTED)
 
-    def abort_nowait(self, request_ids) -> None:
-        """Abort without waiting (callable from a generator's finally)."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._cmds.put((lambda e: e.abort_request(ids), None))
+    async def call_utility(self, method: str, *args):
+        """A read-only question to the core (`core.UTILITY_METHODS`), answered
+        between two steps, after every message sent before it."""
+        self._check_alive()
+        return await self.engine_core.call_utility_async(method, *args)
 
-    async def run_on_engine(self, fn: Callable[[LLMEngine], object]):
-        """Run fn(engine) on the engine thread between two steps; returns its result."""
-        self._bind_loop()
-        return await self._submit(fn)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight, stop the engine thread and the engine's workers."""
+    def shutdown(self) -> None:
+        """Stop the core (its process, and the workers of tensor parallelism)."""
         if self._stopped:
             return
         self._stopped = True
-        self._cmds.put(("stop", None))
-        self._thread.join(timeout)
+        if self._output_task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._output_task.cancel)
+        self.engine_core.shutdown()
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
     # -------------------------------------------------------------- internals
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine died: {self._dead!r}")
+            raise EngineDeadError(f"engine died: {self._dead}")
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
 
@@ -154,99 +183,40 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
+            self._output_task = loop.create_task(self._output_handler(), name="mini-vllm-output-handler")
         elif self._loop is not loop:
             raise RuntimeError("an AsyncLLM serves one event loop; create it inside that loop's program")
 
-    async def _submit(self, fn):
-        self._check_alive()
-        fut = self._loop.create_future()
-        self._cmds.put((fn, fut))
-        return await fut
-
-    def _resolve(self, fut, result, exc) -> None:  # event loop thread
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def _deliver(self, outs) -> None:  # event loop thread
-        for out in outs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
-
-    def _fail_all(self, exc: BaseException) -> None:  # event loop thread
-        for q in list(self._queues.values()):
-            q.put_nowait(exc)
-
-    def _died(self, exc: BaseException) -> None:  # event loop thread
-        dead = EngineDeadError(f"engine died: {exc!r}")
-        self._fail_all(dead)
-        if self.on_dead is not None:
-            self.on_dead(exc)
-
-    def _call_loop(self, fn, *args) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # loop closed between the check and the call
-                pass
-
-    # ---------------------------------------------------------- engine thread
-    def _run(self) -> None:
+    async def _output_handler(self) -> None:
+        """One core step at a time: outputs to their streams, stats to the loggers."""
         eng = self.engine
         try:
             while True:
-                busy = eng.has_unfinished_requests()
-                cmds = [] if busy else [self._cmds.get()]  # idle: sleep until a command comes
-                while True:
-                    try:
-                        cmds.append(self._cmds.get_nowait())
-                    except queue.Empty:
-                        break
-                for fn, fut in cmds:
-                    if fn == "stop":
-                        self._stop_engine()
-                        return
-                    try:
-                        result, exc = fn(eng), None
-                    except Exception as e:  # a bad request: reported to its caller only
-                        result, exc = None, e
-                    if fut is not None:
-                        self._call_loop(self._resolve, fut, result, exc)
-                if eng.has_unfinished_requests():
-                    outs = eng.step()
-                    if outs:
-                        self._call_loop(self._deliver, outs)
-                self._record_stats()
-        except BaseException as e:  # noqa: BLE001 - anything from step() kills the engine
-            logger.exception("engine thread died: %r", e)
+                res = await self.engine_core.get_output_async()
+                for out in eng.process_engine_outputs(res):
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                self._record_stats(res.scheduler_stats)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the core is gone: fail loudly, once
+            if self._stopped:
+                return
+            logger.error("engine core died: %s", e)
             self._dead = e
-            self._call_loop(self._died, e)
-            while True:  # fail the commands still queued, so no caller waits forever
-                try:
-                    _, fut = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if fut is not None:
-                    self._call_loop(self._resolve, fut, None, EngineDeadError(repr(e)))
+            self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine died: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
 
-    def _stop_engine(self) -> None:
-        eng = self.engine
-        ids = list(eng.output_processor.request_states)
-        if ids:
-            logger.info("shutdown: aborting %d request(s) in flight", len(ids))
-            eng.abort_request(ids)
-        self._record_stats()
-        eng.shutdown()  # worker processes of tensor parallelism, if any
-        self._call_loop(self._fail_all, EngineDeadError("the engine was shut down"))
+    def _fail_all(self, exc: BaseException) -> None:
+        for q in list(self._queues.values()):
+            q.put_nowait(exc)
 
-    def _record_stats(self) -> None:
-        """Hand the loggers what the last step (or abort) changed."""
+    def _record_stats(self, sched_stats) -> None:
+        """Hand the loggers what the last step changed."""
         m, c = self.engine.metrics, self._cursor
-        st = None if not self.stat_loggers else StepStats(self.engine.engine_core.make_stats(), m.num_prompt_tokens - c[0],
+        st = None if not self.stat_loggers else StepStats(sched_stats, m.num_prompt_tokens - c[0],
                        m.num_generation_tokens - c[1], m.ttfts[c[2]:], m.itls[c[3]:], m.e2e_latencies[c[4]:],
                        m.finished[c[5]:], m.iteration_tokens[c[6]:])
         for lst in (m.ttfts, m.itls, m.e2e_latencies, m.queue_times, m.finished, m.iteration_tokens):
@@ -256,4 +226,3 @@ class AsyncLLM:
                         len(m.e2e_latencies), len(m.finished), len(m.iteration_tokens)]
         for sl in self.stat_loggers:
             sl.record(st)
-

@@ -1,7 +1,7 @@
 """The output stream of one request of `AsyncLLM`, and the error of a dead engine.
 
 vLLM counterparts: `RequestOutputCollector` in `vllm/v1/engine/output_processor.py`
-and `EngineDeadError` in `vllm/v1/engine/exceptions.py`.
+(the error of a dead engine lives in `exceptions.py`, as in vLLM).
 
 Invariants: a stream yields a request's outputs in order and ends right after
 the finished one (or, silently, after an explicit abort); once ended it has
@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.outputs import RequestOutput
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error, or shutdown); no request can be served."""
 
 
 ABORTED = object()  # ends the stream of a request aborted through `abort()`

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
+from mini_vllm.engine import EngineCoreRequest
 from mini_vllm.sampling_params import SamplingParams, check_encodable, check_int64
 
 logger = logging.getLogger("mini_vllm")
@@ -64,35 +64,23 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return out
 
 
-@dataclass
-class EngineCoreRequest:
-    """One validated request (vLLM's `EngineCoreRequest`): what
-    `LLMEngine.add_request` stores without checking it again.
-
-    `prompt` is the text when the prompt was text (outputs echo it), else None;
-    `sampling_params` are the params to run, which may be a copy of the
-    caller's (see `Processor._check_params`)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-
-
 class Processor:
     """Validates requests for one engine: its config, vocabulary, context
     length, tokenizer and the checkpoint's default sampling params (the dict
     the engine holds, shared, used when a request brings no params)."""
 
     def __init__(self, config, model_config, max_model_len: int, tokenizer,
-                 default_sampling_params: dict | None = None) -> None:
+                 default_sampling_params: dict | None = None, num_gpu_blocks: int | None = None,
+                 eos_token_id: int | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.default_sampling_params = {} if default_sampling_params is None else default_sampling_params
+        # The KV pool's size (the core's handshake): a request that needs more blocks
+        # than the whole pool could never run, so it is refused here, not in the core.
+        self.num_gpu_blocks = num_gpu_blocks
+        self.eos_token_id = eos_token_id
 
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | None,
                        arrival_time: float | None = None, priority: int = 0) -> EngineCoreRequest:
@@ -134,8 +122,15 @@ class Processor:
                              f"({limit}) to leave room for output")
         check_int64("priority", priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        return EngineCoreRequest(str(request_id), text, ids, self._check_params(params, len(ids)),
-                                 arrival, priority)
+        params = self._check_params(params, len(ids))
+        if self.num_gpu_blocks is not None:
+            bs = self.config.block_size
+            need = -(-(len(ids) + params.max_tokens) // bs)
+            if need > self.num_gpu_blocks:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} "
+                                 f"KV blocks of {bs} tokens but the pool has only {self.num_gpu_blocks}, so it "
+                                 f"could never run: max_tokens must be <= {self.num_gpu_blocks * bs - len(ids)} for this prompt")
+        return EngineCoreRequest(str(request_id), text, ids, params, arrival, priority, self.eos_token_id)
 
     def _check_params(self, params: SamplingParams, n_prompt: int) -> SamplingParams:
         """What only the engine can check (vocabulary, tokenizer, grammar, context);

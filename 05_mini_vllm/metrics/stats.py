@@ -71,7 +71,7 @@ class IterationStats:
 @dataclass
 class StepStats:
     """What one engine step added, handed to each stat logger of the server
-    (`AsyncLLM`, on the engine thread; `prometheus.PrometheusStatLogger`)."""
+    (`AsyncLLM`, on the event loop; `prometheus.PrometheusStatLogger`)."""
 
     scheduler_stats: SchedulerStats | None = None
     num_prompt_tokens: int = 0

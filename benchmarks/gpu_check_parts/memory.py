@@ -27,7 +27,7 @@ def run(model_dir: str, plan: Plan, vocab: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model_dir, **engine_args(plan))
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     n_blocks, per_block = core.num_gpu_blocks, core.executor.bytes_per_block
     weights = core.executor.collective_rpc(
         lambda worker: sum(p.numel() * p.element_size() for p in worker.model.parameters()))[0]

@@ -68,7 +68,7 @@ def _profile_batch(engine, batch: int, plan: Plan, vocab: int) -> dict:
     for rid in ids:
         prompt = torch.randint(0, vocab, (plan.profile_prompt_len,), generator=gen).tolist()
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    sched = engine.engine_core.scheduler
+    sched = engine.engine_core.engine_core.scheduler
     while any(sched.requests[r].num_output_tokens < 1 for r in ids):  # prefill everyone
         engine.step()
     for _ in range(2):

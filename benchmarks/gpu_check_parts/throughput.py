@@ -48,7 +48,7 @@ def _engine_run(model_dir: str, plan: Plan, reqs) -> tuple[dict, list[list[int]]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n_out = sum(len(t) for t in tokens)
     wrong = [i for i, (t, (_, m)) in enumerate(zip(tokens, reqs)) if len(t) != m]
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     result = {"seconds": seconds, "output_tokens": n_out, "tok_per_s": n_out / seconds,
               "num_gpu_blocks": core.num_gpu_blocks, "preemptions": core.scheduler.num_preemptions,
               "requests_with_wrong_length": wrong}

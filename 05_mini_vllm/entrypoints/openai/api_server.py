@@ -91,6 +91,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
 
     @asynccontextmanager
     async def lifespan(app):
+        await engine.start()  # a core that dies while the server is idle still stops it
         yield
         engine.shutdown()  # after uvicorn drained the connections: abort what is left
 
@@ -179,9 +180,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         try:
             if req.messages is not None:
                 ids = await chat.render(req.messages, req.add_generation_prompt)
-            else:  # on the engine thread, like every encode (see OpenAIServingChat.render)
-                ids = await engine.run_on_engine(
-                    lambda e: list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+            else:  # on the event loop, like every encode of the front end
+                ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         except ValueError as e:
             return value_error_response(e)
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -258,7 +258,7 @@ def run_server(args, engine_kwargs: dict) -> int:
 
     engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], on_dead=on_engine_dead,
                                        **engine_kwargs)
-    core, cfg = engine.engine.engine_core, engine.engine.config
+    core, cfg = engine.engine, engine.engine.config
     stat_logger.set_cache_config_info(block_size=cfg.block_size, num_gpu_blocks=core.num_gpu_blocks,
                                       num_cpu_blocks=core.num_cpu_blocks, cache_dtype=str(cfg.dtype),
                                       enable_prefix_caching=cfg.enable_prefix_caching)

@@ -54,10 +54,11 @@ class OpenAIServingChat(OpenAIServing):
     async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation (ValueError when no template is known).
 
-        Encoding runs on the engine thread: a fast tokenizer's encode mutates its
-        padding/truncation state and must not race the engine's own encodes."""
+        Encoding runs on the event loop's thread, where the processor encodes too: a
+        fast tokenizer's encode mutates its padding/truncation state, so two threads
+        must never encode at once."""
         conv = [m.for_template() for m in messages]
-        return await self.engine.run_on_engine(lambda e: self._render(conv, add_generation_prompt, tools))
+        return self._render(conv, add_generation_prompt, tools)
 
     def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer

@@ -1,0 +1,340 @@
+"""How the front end reaches the engine core: in-process, or over ZeroMQ.
+
+vLLM counterpart: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client`,
+`InprocClient`, `MPClient`, `SyncMPClient`, `AsyncMPClient`).
+
+- `InprocClient`: the core is an object in this process, and `get_output()`
+  runs one step (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`; here
+  `MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0`). Readable, debuggable, no overlap.
+- `SyncMPClient` (`LLM`, `LLMEngine`) and `AsyncMPClient` (`AsyncLLM`, the
+  server): the core is an `EngineCoreProc` in its own process (spawned), or in
+  a thread of this one (`in_thread=True`, the in-process mode of `AsyncLLM`),
+  reached over two ZeroMQ PUSH/PULL pipes carrying msgpack (`serial_utils`).
+
+Invariants of the MP clients:
+- the constructor returns once the core has sent READY (its KV cache exists),
+  or raises `EngineDeadError` with the core's error if it failed to start;
+- messages go out in call order on one socket, used only by the caller's
+  thread (sync: the user's; async: the event loop); a receiver thread alone
+  reads the output socket and hands outputs over;
+- if the core dies (DEAD message, or its process exits: SIGKILL included),
+  `get_output` and every pending or later call raise `EngineDeadError`;
+  nothing waits forever;
+- `shutdown()` (also on garbage collection and at exit) stops the core and
+  leaves no process behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import tempfile
+import threading
+import uuid
+import weakref
+
+import zmq
+
+from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady, EngineCoreRequest,
+                              EngineCoreRequestType, UtilityOutput)
+from mini_vllm.engine.core import EngineCore, EngineCoreProc, report_dead, run_engine_core
+from mini_vllm.engine.exceptions import EngineDeadError
+from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger("mini_vllm")
+
+
+class InprocClient:
+    """The core in this process; one `get_output()` is one step. `engine_core` is
+    the `EngineCore` itself, for notebooks and tests that look inside."""
+
+    def __init__(self, config, executor_class=None) -> None:
+        self.engine_core = EngineCore(config, executor_class)
+        self.ready = self.engine_core.ready_info()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def call_utility(self, method: str, *args):
+        return getattr(self.engine_core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _close(proc, threads: list, stop: threading.Event, sock, ctx) -> None:
+    """Stop the core, then the client's threads, then release the sockets (also run
+    by `weakref.finalize`); `threads`: the core's thread (in_thread) and the receiver."""
+    if stop.is_set():
+        return
+    stop.set()
+    try:
+        sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass  # no core is reading: it is gone already
+    if proc is not None:
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(10)
+    sock.close(linger=0)
+    ctx.destroy(linger=0)
+
+
+def _run_core_thread(box: list, config, in_addr, out_addr, ctx, executor_class) -> None:
+    """The in_thread core: the process body without the process."""
+    core = None
+    try:
+        core = EngineCoreProc(config, in_addr, out_addr, ctx, executor_class)
+        box.append(core)
+        core.run_busy_loop()
+    except BaseException as e:  # noqa: BLE001
+        logger.exception("engine core thread died: %r", e)
+        report_dead(core, ctx, out_addr, e)
+    finally:
+        if core is not None:
+            core.close()
+
+
+def _receive(client_ref, sock, stop: threading.Event) -> None:
+    """The receiver thread. It holds the client only weakly, so that dropping the
+    client (garbage collection) still shuts the core down."""
+    outputs, utility, text = MsgpackDecoder(EngineCoreOutputs), MsgpackDecoder(UtilityOutput), MsgpackDecoder(str)
+    try:
+        while not stop.is_set():
+            if not sock.poll(100):
+                if client_ref() is None:
+                    return
+                continue
+            kind, data = sock.recv_multipart(copy=False)
+            client = client_ref()
+            if client is None:
+                return
+            kind = kind.bytes
+            if kind == EngineCoreOutputType.OUTPUTS.value:
+                client._deliver(outputs.decode(data.buffer))
+            elif kind == EngineCoreOutputType.UTILITY.value:
+                out = utility.decode(data.buffer)
+                fut = client._pending.pop(out.call_id, None)
+                if fut is not None:
+                    if out.failure is None:
+                        fut.set_result(out.result)
+                    else:
+                        fut.set_exception(RuntimeError(f"engine core utility call failed: {out.failure}"))
+            elif kind == EngineCoreOutputType.DEAD.value:
+                client._died(EngineDeadError(f"engine core died: {text.decode(data.buffer)}"))
+                return
+            del client
+    finally:
+        sock.close(linger=0)
+
+
+def _monitor(client_ref, proc, stop: threading.Event) -> None:
+    """The process may die without a word (SIGKILL, the OOM killer)."""
+    from multiprocessing.connection import wait
+
+    wait([proc.sentinel])
+    client = client_ref()
+    if client is not None and not stop.is_set():
+        client._died(EngineDeadError(f"the engine core process (pid {proc.pid}) exited with status "
+                                     f"{proc.exitcode}"))
+
+
+class MPClient:
+    """Starts an `EngineCoreProc` and speaks its protocol; subclasses decide how
+    outputs reach the caller (`_deliver`)."""
+
+    def __init__(self, config, executor_class=None, in_thread: bool = False) -> None:
+        self.ctx = zmq.Context()
+        name = f"mini-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if in_thread:
+            in_addr, out_addr = f"inproc://{name}-in", f"inproc://{name}-out"
+        else:
+            base = os.path.join(tempfile.gettempdir(), name)
+            in_addr, out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the caller on a busy core
+        self.input_socket.bind(in_addr)
+        out_sock = self.ctx.socket(zmq.PULL)
+        out_sock.setsockopt(zmq.RCVHWM, 0)
+        out_sock.bind(out_addr)
+        self.encoder = MsgpackEncoder()
+        self._ids = itertools.count()
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._dead: EngineDeadError | None = None
+        self._stop = threading.Event()
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._core_box: list[EngineCoreProc] = []  # in_thread: the core, once built
+        self._core_thread: threading.Thread | None = None
+        if in_thread:
+            self._core_thread = threading.Thread(target=_run_core_thread, name="EngineCore", daemon=True,
+                                                 args=(self._core_box, config, in_addr, out_addr, self.ctx,
+                                                       executor_class))
+            self._core_thread.start()
+        else:
+            import torch
+
+            self.proc = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, name="EngineCore", kwargs=dict(
+                    config=config, input_address=in_addr, output_address=out_addr,
+                    executor_class=executor_class, num_threads=torch.get_num_threads(),
+                    log_level=logging.getLogger().getEffectiveLevel(), parent_pid=os.getpid()))
+            self.proc.start()
+        self._threads = [] if self._core_thread is None else [self._core_thread]
+        self._finalizer = weakref.finalize(self, _close, self.proc, self._threads, self._stop,
+                                           self.input_socket, self.ctx)
+        try:
+            self.ready: EngineCoreReady = self._handshake(out_sock)
+        except BaseException:
+            out_sock.close(linger=0)
+            self.shutdown()
+            raise
+        me = weakref.ref(self)
+        self._receiver = threading.Thread(target=_receive, args=(me, out_sock, self._stop),
+                                          name="EngineCoreClientOutput", daemon=True)
+        self._threads.append(self._receiver)
+        self._receiver.start()
+        if self.proc is not None:
+            threading.Thread(target=_monitor, args=(me, self.proc, self._stop), name="EngineCoreMonitor",
+                             daemon=True).start()
+
+    # --------------------------------------------------------------- startup
+    def _handshake(self, sock) -> EngineCoreReady:
+        """Wait for READY (loading a model takes a while: no timeout, but a core that
+        exits or reports DEAD ends the wait)."""
+        while not sock.poll(200):
+            if self.proc is not None and not self.proc.is_alive():
+                raise EngineDeadError(f"the engine core process exited with status {self.proc.exitcode} "
+                                      "before it was ready (see its log above)")
+        kind, data = sock.recv_multipart()
+        if kind == EngineCoreOutputType.DEAD.value:
+            raise EngineDeadError(f"the engine core failed to start: {MsgpackDecoder(str).decode(data)}")
+        return MsgpackDecoder(EngineCoreReady).decode(data)
+
+    @property
+    def engine_core(self) -> EngineCoreProc | None:
+        """The core object when it runs in a thread of this process (else None)."""
+        return self._core_box[0] if self._core_box else None
+
+    def _died(self, err: EngineDeadError) -> None:
+        if self._dead is not None:
+            return
+        self._dead = err
+        logger.error("%s", err)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        self._deliver(err)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- calls
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._stop.is_set()
+
+    def _send(self, kind: EngineCoreRequestType, payload) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._stop.is_set():
+            raise EngineDeadError("the engine core was shut down")
+        self.input_socket.send_multipart([kind.value, self.encoder.encode(payload)], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def _call(self, method: str, args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        self._pending[call_id] = fut
+        try:
+            self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
+        return fut
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """For `LLMEngine`: `get_output()` blocks until the core's next step arrives."""
+
+    def __init__(self, config, executor_class=None, in_thread: bool = False) -> None:
+        self.outputs_queue: queue.Queue = queue.Queue()
+        super().__init__(config, executor_class, in_thread)
+
+    def _deliver(self, item) -> None:
+        self.outputs_queue.put(item)
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self.outputs_queue.get()
+        if isinstance(item, BaseException):
+            self.outputs_queue.put(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args):
+        return self._call(method, args).result()
+
+
+class AsyncMPClient(MPClient):
+    """For `AsyncLLM`: the same protocol, awaited on one event loop."""
+
+    def __init__(self, config, executor_class=None, in_thread: bool = False) -> None:
+        self._raw: queue.Queue = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        super().__init__(config, executor_class, in_thread)
+
+    def _deliver(self, item) -> None:  # receiver thread
+        self._raw.put(item)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        if self._loop is None:
+            self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        while True:
+            try:
+                item = self._raw.get_nowait()
+                break
+            except queue.Empty:
+                self._wake.clear()
+                if self._raw.empty():  # checked after the clear: a wake-up cannot be lost
+                    await self._wake.wait()
+        if isinstance(item, BaseException):
+            self._raw.put(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args):
+        return await asyncio.wrap_future(self._call(method, args))
