@@ -50,13 +50,14 @@ def run_greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
 
 
 def assert_pool_full(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core.engine_core
-    kv = core.scheduler.kv_cache_manager
-    assert not core.scheduler.has_unfinished_requests(), "requests left in the scheduler"
-    assert kv.num_free_blocks == core.num_gpu_blocks, (
-        f"KV blocks leaked: {core.num_gpu_blocks - kv.num_free_blocks} of {core.num_gpu_blocks} "
+    # Utility calls: the same check whether the core runs here or in its own process.
+    eng, call = llm.llm_engine, llm.llm_engine.engine_core.call_utility
+    assert not call("has_unfinished_requests"), "requests left in the scheduler"
+    free = call("num_free_blocks")
+    assert free == eng.num_gpu_blocks, (
+        f"KV blocks leaked: {eng.num_gpu_blocks - free} of {eng.num_gpu_blocks} "
         "still held after every request finished")
-    assert core.scheduler.cpu_block_pool.num_free_blocks == core.num_cpu_blocks, \
+    assert call("num_free_cpu_blocks") == eng.num_cpu_blocks, \
         "CPU swap blocks leaked after every request finished"
 
 

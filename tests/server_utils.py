@@ -140,3 +140,34 @@ def api_server():
     if _shared["users"] == 0:
         _shared["server"].stop()
         _shared["server"] = None
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """The live children of `pid` (from /proc): pid -> command line."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue  # it exited while we looked
+    return out
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The server's engine core process (spawned by multiprocessing, beside its resource tracker)."""
+    cores = [p for p, cmd in child_processes(server_pid).items() if "spawn_main" in cmd]
+    assert len(cores) == 1, f"expected one engine core process under the server, found {child_processes(server_pid)}"
+    return cores[0]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited; only its entry waits for a wait()

@@ -83,21 +83,36 @@ def test_greedy_tokens_invariant_to_scheduling(work, variant, impl):
     assert_pool_full(llm)
 
 
+MODES = pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["core-inproc", "core-process"])
+
+
+def _num_preemptions(llm) -> int:
+    return llm.llm_engine.engine_core.call_utility("make_stats")["num_preemptions"]
+
+
+@MODES
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_really_happens_and_changes_nothing(mode, impl):
-    """Guard against a vacuous invariance test: the tiny cache must preempt."""
+def test_preemption_really_happens_and_changes_nothing(mode, impl, multiprocess_mode):
+    """Guard against a vacuous invariance test: the tiny cache must preempt. Also
+    with the core in its own process, where it steps on while the front end
+    detokenizes: the tokens must not depend on that either."""
+    if impl == "exercise" and multiprocess_mode:
+        pytest.skip("the exercise's runner is plugged into an in-process core")
     prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
     llm = make_llm_for(impl, block_size=8, max_model_len=128, num_gpu_blocks_override=9,
-                       preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+                       preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
+                       multiprocess_mode=multiprocess_mode)
     got = run_greedy(llm, prompts, 30)
-    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
+    assert _num_preemptions(llm) > 0, "the tiny KV cache never preempted"
     for p, g in zip(prompts, got):
         assert g == list(_alone(tuple(p), 30)), f"{mode} preemption changed a request's tokens"
     assert_pool_full(llm)
+    llm.shutdown()
 
 
+@MODES
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_seeded_sampling_invariant_under_preemption(mode, impl):
+def test_seeded_sampling_invariant_under_preemption(mode, impl, multiprocess_mode):
     """A seeded request's generator lives as long as the request: a preempted
     request, recomputed or swapped back in, continues its draws where it
     stopped, so its tokens equal those of the same requests in a cache that
@@ -110,9 +125,12 @@ def test_seeded_sampling_invariant_under_preemption(mode, impl):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outs]
 
+    if impl == "exercise" and multiprocess_mode:
+        pytest.skip("the exercise's runner is plugged into an in-process core")
     _, want = run()
-    llm, got = run(impl, num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
-    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the tiny KV cache never preempted"
+    llm, got = run(impl, num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
+                   multiprocess_mode=multiprocess_mode)
+    assert _num_preemptions(llm) > 0, "the tiny KV cache never preempted"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (f"seeded request {i} changed under {mode} preemption: its generator was reset or "
                         f"re-created when it was preempted instead of continuing its draws\n got  {g}\n want {w}")

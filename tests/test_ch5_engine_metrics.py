@@ -36,8 +36,8 @@ def test_prefix_cache_hit_rate_counts_shared_prompt():
     llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.generate([{"prompt_token_ids": p + [7]}], SamplingParams(max_tokens=2), use_tqdm=False)
     sched = llm.llm_engine.engine_core.call_utility("make_stats")
-    assert sched.prefix_cache_hits == 40, "the second request should hit all 5 blocks of the first prompt"
-    assert sched.prefix_cache_queries == 40 + 41
+    assert sched["prefix_cache_hits"] == 40, "the second request should hit all 5 blocks of the first prompt"
+    assert sched["prefix_cache_queries"] == 40 + 41
     assert 0.4 < llm.llm_engine.metrics.prefix_cache_hit_rate < 0.6
     assert llm.llm_engine.metrics.num_prompt_tokens == 40 + 1, \
         "prompt throughput must count computed prompt tokens only (the hit 40 are not recomputed)"

@@ -5,6 +5,7 @@ without a connector (itself checked against HF transformers in Chapter 5)."""
 import pathlib
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from engine_utils import assert_pool_full, greedy, make_llm, run_greedy, target_
 from mini_vllm import SamplingParams
 from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.global_cache import drop_local_pool, get_local_pool
-from mini_vllm.scheduler import Request
+from mini_vllm.engine import EngineCoreRequest
 
 BS = 16
 
@@ -141,8 +142,8 @@ def _core_run(llm, reqs, max_tokens=4):
 
 
 def _req(rid, prompt, salt=None):
-    return Request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                   cache_salt=salt)
+    return EngineCoreRequest(rid, None, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                             arrival_time=time.monotonic(), cache_salt=salt)
 
 
 def test_cache_salt_isolates_tenants(pool_name, tc):

@@ -1,5 +1,10 @@
-"""AsyncLLM in-process: streams match the offline engine, the event loop never
-waits for a step, abort frees blocks at once, bad input and a dead engine fail loudly."""
+"""AsyncLLM: streams match the offline engine (core in its own process, and in a
+thread), the event loop never waits for a step, abort frees blocks before the
+core's next step, bad input and a dead engine fail loudly.
+
+The tests that steer the core step by step run it in a thread of the test's
+process (`multiprocess_mode=False`): the same busy loop and messages as the
+core process, but its `step` can be wrapped from here."""
 import asyncio
 import threading
 
@@ -7,6 +12,7 @@ import pytest
 
 from engine_utils import SMALL_KV, greedy, make_llm, target_path
 from mini_vllm import SamplingParams
+from mini_vllm.engine import EngineCoreOutputs
 from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
 
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(10):", "x = [1, 2, 3]"]
@@ -19,9 +25,17 @@ def offline():
     return [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
 
 
-def _async_llm() -> AsyncLLM:
+def _async_llm(multiprocess_mode: bool = False) -> AsyncLLM:
     return AsyncLLM.from_engine_args(target_path(), dtype="float32", device="cpu",
-                                     kv_cache_memory_bytes=SMALL_KV, block_size=16)
+                                     kv_cache_memory_bytes=SMALL_KV, block_size=16,
+                                     multiprocess_mode=multiprocess_mode)
+
+
+def _core(llm: AsyncLLM):
+    """The core object (it runs in a thread of this process)."""
+    core = llm.engine_core.engine_core
+    assert core is not None, "the test needs the core in a thread (multiprocess_mode=False)"
+    return core
 
 
 async def _collect(llm, prompt, params, rid):
@@ -33,14 +47,13 @@ async def _collect(llm, prompt, params, rid):
     return text, toks, n_outs
 
 
-def test_concurrent_delta_streams_equal_offline_generate(offline):
+@pytest.mark.parametrize("multiprocess_mode", [True, False], ids=["core-process", "core-thread"])
+def test_concurrent_delta_streams_equal_offline_generate(offline, multiprocess_mode):
     async def main():
-        llm = _async_llm()
+        llm = _async_llm(multiprocess_mode)
         try:
             res = await asyncio.gather(*(_collect(llm, p, greedy(12), f"r{i}") for i, p in enumerate(PROMPTS)))
-            core = await llm.run_on_engine(lambda e: (e.engine_core.scheduler.kv_cache_manager.num_free_blocks,
-                                                      e.engine_core.num_gpu_blocks))
-            return res, core
+            return res, (await llm.call_utility("num_free_blocks"), llm.engine.num_gpu_blocks)
         finally:
             llm.shutdown()
 
@@ -59,7 +72,8 @@ def test_event_loop_keeps_running_during_steps():
     async def main():
         llm = _async_llm()
         loop = asyncio.get_running_loop()
-        real_step = llm.engine.step
+        core = _core(llm)
+        real_step = core.step
         answered = []  # per step: did the loop run a callback while the step was in progress
 
         def step():
@@ -71,7 +85,7 @@ def test_event_loop_keeps_running_during_steps():
                 answered.append(ping.wait(60))
             return real_step()
 
-        llm.engine.step = step
+        core.step = step
         try:
             await _collect(llm, "def f():", greedy(4), "steps")
         finally:
@@ -85,14 +99,16 @@ def test_event_loop_keeps_running_during_steps():
 
 
 def _gate_steps(llm: AsyncLLM) -> threading.Semaphore:
-    """The engine takes only the steps the test releases, so how far a request gets
+    """The core takes only the steps the test releases, so how far a request gets
     between two actions of the test is fixed, not a matter of how fast a step is.
-    Without a permit a step does nothing, and the engine thread goes on applying
-    the commands (add, abort) the test sends. Release a permit only when the
-    engine runs just the requests it is meant for: any running request's step may take it."""
+    Without a permit a step does nothing (an empty output), and the core's loop
+    goes on applying the messages (add, abort) the test sends. Release a permit
+    only when the core runs just the requests it is meant for: any running
+    request's step may take it."""
     permits = threading.Semaphore(0)
-    real_step = llm.engine.step
-    llm.engine.step = lambda: real_step() if permits.acquire(timeout=0.01) else []
+    core = _core(llm)
+    real_step = core.step
+    core.step = lambda: real_step() if permits.acquire(timeout=0.01) else EngineCoreOutputs()
     return permits
 
 
@@ -120,18 +136,20 @@ def test_abort_frees_blocks_at_once_and_ends_the_stream():
                 if seen >= 3:
                     break
             await gen.aclose()  # the consumer walked away: its finally aborts the request
-            # Commands run in order, so this one sees the engine after that abort;
-            # no step is released meanwhile, so "long" cannot have finished by itself.
-            left = await llm.run_on_engine(lambda e: sorted(e.output_processor.request_states))
+            # No step is released meanwhile, so "long" cannot have finished by itself.
+            left = sorted(llm.engine.output_processor.request_states)
             assert "long" not in left, "closing a stream (the consumer walked away) did not abort its request"
+            # Messages reach the core in order, so this call sees the core after that abort.
+            assert not await llm.call_utility("has_unfinished_requests"), \
+                "the core still runs a request whose stream was closed (the abort never reached it)"
             gen2 = llm.generate("import sys", greedy(300), "long2")
             permits.release(1)
             await gen2.__anext__()
             await llm.abort("long2")  # a second request, aborted explicitly
             rest = await _rest(gen2)
-            state = await llm.run_on_engine(lambda e: (
-                e.engine_core.scheduler.kv_cache_manager.num_free_blocks, e.engine_core.num_gpu_blocks,
-                sorted(e.output_processor.request_states), e.has_unfinished_requests()))
+            state = (await llm.call_utility("num_free_blocks"), llm.engine.num_gpu_blocks,
+                     sorted(llm.engine.output_processor.request_states),
+                     await llm.call_utility("has_unfinished_requests"))
             return rest, state
         finally:
             llm.shutdown()
@@ -168,7 +186,7 @@ def test_engine_error_fails_streams_instead_of_hanging():
         def broken_step():
             raise RuntimeError("simulated device failure")
 
-        llm.engine.step = broken_step
+        _core(llm).step = broken_step
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(_collect(llm, "def f():", greedy(3), "a"), 10)
         with pytest.raises(EngineDeadError):

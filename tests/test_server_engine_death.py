@@ -10,18 +10,22 @@ to see them all in flight and send the marker), not because the engine happens
 to be slow."""
 import asyncio
 import json
+import os
+import signal
 import subprocess
+import time
 
 import httpx
 import pytest
 
 from engine_utils import SMALL_KV, target_path
-from fault_server import FAULT_MARKER, PlantedFault, with_fault
+from fault_server import FAULT_MARKER, with_fault
 from mini_vllm.engine.async_llm import AsyncLLM
+from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.entrypoints.openai.api_server import build_app
 from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.metrics.prometheus import PrometheusStatLogger
-from server_utils import SERVED_NAME, Server, wait_running
+from server_utils import SERVED_NAME, Server, child_processes, engine_core_pid, pid_alive, wait_running
 
 STEP_FLOOR_S = 0.05
 N_STREAMS, N_WHOLE = 6, 2
@@ -86,7 +90,8 @@ def test_engine_death_under_streaming_load_errors_every_request_and_exits_nonzer
 
 
 def test_health_is_503_and_requests_fail_once_the_engine_died(monkeypatch):
-    """The same death in process, through the app without uvicorn: nothing races the
+    """The same death with the core in a thread of this process (so that the fault
+    can be planted here), through the app without uvicorn: nothing races the
     process exit here, so /health's 503 and the error of a later request are checked
     deterministically, and on_dead (the server's exit) runs exactly once."""
     monkeypatch.setattr(UniProcExecutor, "execute_model", with_fault("raise-on-marker", UniProcExecutor.execute_model))
@@ -113,5 +118,63 @@ def test_health_is_503_and_requests_fail_once_the_engine_died(monkeypatch):
     assert after == 503, f"/health must answer 503 once the engine died, got {after}"
     assert later.status_code == 503 and "engine died" in later.json()["error"]["message"], \
         f"a request after the death must get 503 naming it, not hang or 500: {later.text[:300]}"
-    assert len(deaths) == 1 and isinstance(deaths[0], PlantedFault), \
-        f"on_dead (the server's exit) must run once with the exception: {deaths}"
+    assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError) and "PlantedFault" in str(deaths[0]), \
+        f"on_dead (the server's exit) must run once, with an error naming the core's exception: {deaths}"
+
+
+def test_core_process_killed_under_streaming_load_ends_every_request_and_the_server():
+    """Chaos: SIGKILL the engine core process (no DEAD message, no cleanup) while
+    streams run. The front end must notice the process exit, end every request
+    with a 503 / an error event, answer /health with 503, exit non-zero, and leave
+    no process behind (the resource tracker and the core are gone)."""
+    s = Server("--timeout-graceful-shutdown", "10", fault=f"step-floor:{STEP_FLOOR_S}")
+    try:
+        core = engine_core_pid(s.proc.pid)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                lines = [[] for _ in range(N_STREAMS)]
+                in_flight = [asyncio.Event() for _ in range(N_STREAMS)]
+                streams = [asyncio.create_task(_stream(http, i, lines[i], in_flight[i])) for i in range(N_STREAMS)]
+                whole = [asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": f"x{i} ="}))
+                         for i in range(N_WHOLE)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in in_flight)), 60)
+                await wait_running(http, N_STREAMS + N_WHOLE)
+                os.kill(core, signal.SIGKILL)
+                health_after = []
+                for _ in range(50):
+                    try:
+                        health_after.append((await http.get("/health")).status_code)
+                    except httpx.HTTPError:
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.wait_for(asyncio.gather(*streams), 60)
+                return lines, [await w for w in whole], health_after
+
+        lines, whole, health_after = asyncio.run(main())
+        try:
+            rc = s.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within 30 s of its core being killed; /health: {health_after}")
+        children = {}
+        for _ in range(100):  # the resource tracker leaves once its parent is gone
+            children = {p: c for p, c in child_processes(s.proc.pid).items() if pid_alive(p)}
+            if not children and not pid_alive(core):
+                break
+            time.sleep(0.1)
+        log = s.log()
+    finally:
+        s.stop()
+    assert rc not in (0, None), f"a server whose core was killed must exit non-zero, got {rc}"
+    assert not pid_alive(core), "the killed core process is still there"
+    assert not children, f"processes left behind by the server: {children}"
+    assert "exited with status -9" in log, f"the log must say the core process was killed: {log[-1500:]}"
+    assert 200 not in health_after, f"/health answered 200 after the core died: {health_after}"
+    for r in whole:
+        assert r.status_code == 503 and "exited with status -9" in r.json()["error"]["message"], \
+            f"an in-flight request must get 503 naming the core's exit: {r.status_code} {r.text[:300]}"
+    for i, got in enumerate(lines):
+        assert got[-1] == "[DONE]", f"stream {i} was cut instead of ending with an error event: {got[-3:]}"
+        err = json.loads(got[-2]).get("error")
+        assert err is not None and err["code"] == 503, f"stream {i} must end with a 503 error event: {got[-2][:300]}"
+        assert len(got) < 900, f"stream {i} ran to its end although the core was killed"

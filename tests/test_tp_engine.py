@@ -46,9 +46,9 @@ def test_greedy_tokens_identical_with_chunking_prefix_hits_and_preemption(engine
     ref = run_greedy(one, prompts, 48)
     got = run_greedy(two, prompts, 48)
     s1, s2 = (llm.llm_engine.engine_core.call_utility("make_stats") for llm in engines)
-    assert s1.num_preemptions > 0 and s1.prefix_cache_hits > 0, \
+    assert s1["num_preemptions"] > 0 and s1["prefix_cache_hits"] > 0, \
         "workload too small: it must preempt and hit the prefix cache to test those paths"
-    assert (s2.num_preemptions, s2.prefix_cache_hits) == (s1.num_preemptions, s1.prefix_cache_hits), \
+    assert (s2["num_preemptions"], s2["prefix_cache_hits"]) == (s1["num_preemptions"], s1["prefix_cache_hits"]), \
         "TP = 2 scheduled differently from TP = 1 (the scheduler must not depend on the ranks)"
     assert got == ref, "TP = 2 greedy tokens differ from TP = 1: a shard, a collective or the " \
                        "logits gather is wrong"

@@ -174,13 +174,15 @@ def test_greedy_tokens_and_top5_logprobs_equal_vllm(checkpoints, vllm_results, n
     assert_same(name, want, got, top_k=5, fields=("finish_reason",))
 
 
-def test_sampling_features_equal_vllm(checkpoints, vllm_results):
+@pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["core-inproc", "core-process"])
+def test_sampling_features_equal_vllm(checkpoints, vllm_results, multiprocess_mode):
     """min_tokens, stop strings (with and without include_stop_str_in_output), stop_token_ids,
     the three penalties with greedy decoding, max_tokens, EOS and prompt_logprobs: same
     tokens, text, finish_reason and stop_reason as vLLM for every request, and the prompt's
     top-5 logprobs (and each prompt token's own) within 1e-4."""
     want = vllm_results["features"]["phases"][0]
-    got = run_mini(checkpoints["tiny-py-target"], [feature_phase()], **COMMON)["phases"][0]
+    got = run_mini(checkpoints["tiny-py-target"], [feature_phase()], multiprocess_mode=multiprocess_mode,
+                   **COMMON)["phases"][0]
     assert_same("features", want, got, top_k=0, fields=("finish_reason", "stop_reason", "text"))
     scored = [(i, w, g) for i, (w, g) in enumerate(zip(want["results"], got["results"]))
               if w["prompt_logprobs"] is not None]
@@ -192,12 +194,14 @@ def test_sampling_features_equal_vllm(checkpoints, vllm_results):
     assert reasons == {"stop", "length"}, f"the workload should end requests both ways, vLLM gave {reasons}"
 
 
-def test_prefix_cache_chunked_prefill_and_n_equal_vllm(checkpoints, vllm_results):
+@pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["core-inproc", "core-process"])
+def test_prefix_cache_chunked_prefill_and_n_equal_vllm(checkpoints, vllm_results, multiprocess_mode):
     """Prefix caching on with a shared 256-token prefix, chunked prefill forced to 64-token
     steps, and n=3 (top-1 sampling, as vLLM refuses n > 1 at temperature 0): the same tokens and top-5 logprobs as vLLM, and both engines
     actually served the prefix from their caches."""
     want = vllm_results["prefix"]["phases"]
-    got = run_mini(checkpoints["tiny-py-target"], prefix_phases(), **PREFIX_ARGS)["phases"]
+    got = run_mini(checkpoints["tiny-py-target"], prefix_phases(), multiprocess_mode=multiprocess_mode,
+                   **PREFIX_ARGS)["phases"]
     for w, g in zip(want, got):
         assert_same(w["name"], w, g, top_k=5, fields=("finish_reason",))
     for who, phase in (("vLLM", want[1]), ("engine", got[1])):

@@ -45,6 +45,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     eos_token_id: int | None = None
+    cache_salt: str | None = None  # tenants with different salts never share cached blocks
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

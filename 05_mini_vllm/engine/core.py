@@ -55,7 +55,7 @@ logger = logging.getLogger("mini_vllm")
 # What a client may call by name in the core (vLLM's utility calls): read-only
 # views and the stats the front end cannot compute itself.
 UTILITY_METHODS = frozenset({"spec_decoding_stats", "make_stats", "has_unfinished_requests",
-                             "num_free_blocks", "reset_prefix_cache"})
+                             "num_free_blocks", "num_free_cpu_blocks", "reset_prefix_cache"})
 
 
 class EngineCore:
@@ -99,7 +99,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
-            priority=request.priority))
+            priority=request.priority, cache_salt=request.cache_salt))
 
     def abort_requests(self, request_ids) -> None:
         """Finish requests decided outside the scheduler (vLLM's `abort_requests`):
@@ -115,6 +115,9 @@ class EngineCore:
 
     def num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks
+
+    def num_free_cpu_blocks(self) -> int:
+        return self.scheduler.cpu_block_pool.num_free_blocks
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
@@ -201,10 +204,10 @@ class EngineCoreProc(EngineCore):
                                             name="EngineCoreOutput", daemon=True)
         self._in_thread.start()
         self._out_thread.start()
-        self.output_queue.put((EngineCoreOutputType.READY, self.ready_info()))
 
     def run_busy_loop(self) -> None:
-        """Apply every message that has arrived, then take one step; block while idle."""
+        """Say READY, then: apply every message that has arrived, take one step; block while idle."""
+        self.output_queue.put((EngineCoreOutputType.READY, self.ready_info()))
         while True:
             block = not self.scheduler.has_unfinished_requests()
             while True:

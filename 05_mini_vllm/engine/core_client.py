@@ -41,7 +41,7 @@ import zmq
 
 from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady, EngineCoreRequest,
                               EngineCoreRequestType, UtilityOutput)
-from mini_vllm.engine.core import EngineCore, EngineCoreProc, report_dead, run_engine_core
+from mini_vllm.engine.core import UTILITY_METHODS, EngineCore, EngineCoreProc, report_dead, run_engine_core
 from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -55,6 +55,7 @@ class InprocClient:
     def __init__(self, config, executor_class=None) -> None:
         self.engine_core = EngineCore(config, executor_class)
         self.ready = self.engine_core.ready_info()
+        self._encoder, self._plain = MsgpackEncoder(), MsgpackDecoder()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -67,7 +68,12 @@ class InprocClient:
         return self.engine_core.step()
 
     def call_utility(self, method: str, *args):
-        return getattr(self.engine_core, method)(*args)
+        """The same allowed methods, and the same answer types (plain msgpack values:
+        a dataclass comes back as a dict) as from a core in its own process."""
+        if method not in UTILITY_METHODS:
+            raise RuntimeError(f"engine core utility call failed: {method!r} is not a utility method; "
+                               f"allowed: {sorted(UTILITY_METHODS)}")
+        return self._plain.decode(self._encoder.encode(getattr(self.engine_core, method)(*args)))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
