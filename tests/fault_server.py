@@ -55,6 +55,14 @@ def with_fault(fault: str, execute):
     return execute_model
 
 
+class MarkerFaultExecutor(UniProcExecutor):
+    """The "raise-on-marker" fault as an executor class of its own, for offline
+    engines (`LLM(..., executor_class=MarkerFaultExecutor)`): a spawned core
+    process imports it from this module by name."""
+
+    execute_model = with_fault("raise-on-marker", UniProcExecutor.execute_model)
+
+
 if __name__ in ("__main__", "__mp_main__"):  # the server, and its spawned engine core
     for f in os.environ["MINI_VLLM_TEST_FAULT"].split(","):
         UniProcExecutor.execute_model = with_fault(f.strip(), UniProcExecutor.execute_model)

@@ -157,6 +157,7 @@ def _monitor(client_ref, proc, stop: threading.Event) -> None:
     from multiprocessing.connection import wait
 
     wait([proc.sentinel])
+    proc.join(5)  # reap it: the exit status is known only then
     client = client_ref()
     if client is not None and not stop.is_set():
         client._died(EngineDeadError(f"the engine core process (pid {proc.pid}) exited with status "
