@@ -18,7 +18,7 @@ Given: `Request` and its two numbers, the queues and policy orders
 records, `delta`, `remaining`, `_hits`, `refresh`, `preempt` (recompute or
 swap), `_commit_running`, `_commit_admission` (the bookkeeping once blocks are
 allocated) and `finish`; in `Scheduler` everything but `schedule`
-(`update_from_output`, stop rules, aborts, forks). The given classes are copies
+(`update_from_output`, stop rules, aborts). The given classes are copies
 of the reference *without* your methods (see `_given`), so a method you have
 not written raises instead of quietly running the reference's answer.
 vLLM counterpart: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`).

@@ -71,6 +71,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
+    # Chapter 6: what the KV connector's worker side must load and save this step
+    # (None without a connector); built by the scheduler's connector.
+    kv_connector_metadata: object | None = None
 
     @property
     def num_reqs(self) -> int:

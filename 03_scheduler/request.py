@@ -57,11 +57,16 @@ class SamplingParams:
     max_tokens: cap on generated tokens (>= 1).
     stop_token_ids: generating any of these finishes the request ("stop").
     ignore_eos: when True, the EOS token does not stop generation.
+    min_tokens: EOS and stop ids do not count before this many tokens.
+    skip_reading_prefix_cache: compute the whole prompt even when it is cached
+      (Chapter 5 sets it for prompt logprobs: cached blocks have no logits).
     """
 
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -116,11 +121,6 @@ class Request:
         # carries the rest as `new_token_ids`, so a runner learns every token
         # from SchedulerOutputs alone.
         self.num_tokens_sent: int | None = None
-        # Parallel sampling (n > 1): children forked from this request, or
-        # the parent this request was forked from.
-        self.parent_request_id: str | None = None
-        self.child_index = 0
-        self.forked = False
 
     # --- the two numbers and their views -------------------------------
     @property
@@ -156,7 +156,7 @@ class Request:
         """True for a request that must compute every prompt token itself (vLLM:
         prompt logprobs need the logits of cached tokens too); its blocks are
         still cached for others."""
-        return bool(getattr(self.sampling_params, "skip_reading_prefix_cache", False))
+        return bool(self.sampling_params.skip_reading_prefix_cache)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -184,6 +184,17 @@ class Scheduler:
                                             max(req.num_cached_tokens, 0)))
         return outputs
 
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Drafts a proposer made for the next `schedule()` (vLLM's method of the
+        same name, called by the engine core after `update_from_output`). Drafts
+        past the last token a request may still emit are dropped: they could
+        never be used. Finished or preempted requests get none."""
+        for rid, d in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                room = req.max_tokens - req.num_output_tokens - 1
+                req.spec_token_ids = list(d[:max(0, room)])
+
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
         """Finish requests from the outside (abort), in any state."""
         if not RequestStatus.is_finished(finished_status):
@@ -199,7 +210,7 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         """Stop rules for `tok`, the token just appended to `req`."""
         sp = req.sampling_params
-        if req.num_output_tokens < getattr(sp, "min_tokens", 0):
+        if req.num_output_tokens < sp.min_tokens:
             # min_tokens: EOS and stop ids do not count yet (the sampler masks them too).
             if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
                 return RequestStatus.FINISHED_LENGTH_CAPPED
@@ -212,35 +223,6 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
-
-    def fork_children(self, parent: Request) -> None:
-        """Parallel sampling (n > 1), called when `parent`'s prompt is complete.
-
-        The n - 1 siblings share every prompt block of the parent through
-        Chapter 2's copy-on-write `fork` (seed 001 §3.4.4), so the prompt is
-        prefilled once. A child starts one token short of the prompt: it
-        recomputes the last prompt position to get logits of its own (the
-        parent's were sampled already), and that write copies the shared last
-        block. Children count against `max_num_seqs`; those that do not fit
-        wait as ordinary requests and find the prompt through prefix caching.
-        """
-        parent.forked = True
-        sp = parent.sampling_params
-        for i in range(1, getattr(sp, "n", 1)):
-            child = Request(child_request_id(parent.request_id, i), parent.prompt_token_ids,
-                            _child_params(sp, i), eos_token_id=parent.eos_token_id,
-                            arrival_time=parent.arrival_time, priority=parent.priority,
-                            cache_salt=parent.cache_salt)
-            child.parent_request_id, child.child_index, child.forked = parent.request_id, i, True
-            self.requests[child.request_id] = child
-            if len(self.running) < self.config.max_num_seqs and parent.num_computed_tokens > 0:
-                self.kv_cache_manager.fork(parent, child)
-                child.num_computed_tokens = child.num_tokens - 1
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-            else:
-                child.status = RequestStatus.WAITING
-                self.waiting.append(child)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
@@ -259,22 +241,3 @@ class Scheduler:
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
-
-def child_request_id(parent_request_id: str, index: int) -> str:
-    """The id of sample `index` (>= 1) of a parallel-sampling request (vLLM's format)."""
-    return f"{index}_{parent_request_id}"
-
-
-def _child_params(sp, index: int):
-    """A child's sampling params: n = 1, and seed + index so seeded siblings differ.
-
-    The sum wraps around within int64 (a seed's range): a parent seeded with
-    2**63 - 1 must not give a child a seed its own params reject. torch seeds
-    a generator with the value modulo 2**64, so the wrapped seed draws what
-    vLLM's unwrapped seed + index draws."""
-    import dataclasses
-
-    changes = {"n": 1}
-    if getattr(sp, "seed", None) is not None:
-        changes["seed"] = (sp.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
-    return dataclasses.replace(sp, **changes)

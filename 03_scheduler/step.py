@@ -63,7 +63,7 @@ class StepState:
         so counting every lookup would inflate the statistics; `try_admit`
         records one lookup per admission instead (`_record_hits`).
         """
-        if getattr(req, "skip_reading_prefix_cache", False):  # vLLM: no lookup, not counted
+        if req.skip_reading_prefix_cache:  # vLLM: no lookup, not counted
             return [], 0
         st = self.kv.prefix_cache_stats
         saved = (st.requests, st.queries, st.hits)
@@ -82,7 +82,7 @@ class StepState:
         computed tokens only, as vLLM's does."""
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
-        if self.kv.enable_caching and not getattr(req, "skip_reading_prefix_cache", False):
+        if self.kv.enable_caching and not req.skip_reading_prefix_cache:
             st = self.kv.prefix_cache_stats
             st.requests += 1
             st.queries += req.num_tokens
@@ -181,7 +181,7 @@ class StepState:
             hit_blocks, n_hit, computed = [], 0, req.num_computed_tokens
         else:
             hit_blocks, n_hit = self._hits(req)
-            if getattr(s, "connector", None) is not None and not getattr(req, "skip_reading_prefix_cache", False):
+            if s.connector is not None and not req.skip_reading_prefix_cache:
                 n_ext = s.connector.get_num_new_matched_tokens(req, n_hit)[0]
             computed = n_hit + n_ext
         d = self.delta(req, computed, req.num_tokens)
@@ -190,7 +190,7 @@ class StepState:
         # External tokens need slots like new ones (the connector fills them before the forward).
         if self.kv.allocate_slots(req, n_ext + d, n_hit, hit_blocks) is None:
             return False
-        if not swapped and getattr(s, "connector", None) is not None:
+        if not swapped and s.connector is not None:
             s.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), n_ext)
         self._commit_admission(req, d, n_hit, swapped, n_ext)
         return True
@@ -244,24 +244,14 @@ class StepState:
             replace = resumed or rid in cow
             if replace:
                 ids = list(self.kv.get_block_ids(rid))
-            if req.num_tokens_sent is None:  # a forked child's first schedule
-                out.scheduled_new_reqs.append(
-                    _new_request_data(req, list(self.kv.get_block_ids(rid))))
-                continue
             out.scheduled_cached_reqs.append(CachedRequestData(
                 rid, resumed, ids, req.num_computed_tokens,
                 new_token_ids=req.all_token_ids[req.num_tokens_sent:], replace_block_ids=replace))
             req.num_tokens_sent = req.num_tokens
-        forks = []
         for rid, d in self.num_scheduled.items():
             req = s.requests[rid]
             req.num_computed_tokens += d
             req.spec_token_ids = []  # consumed (or trimmed away) this step
-            if (getattr(req.sampling_params, "n", 1) > 1 and not req.forked
-                    and req.num_computed_tokens >= req.num_tokens):
-                forks.append(req)  # its prompt is complete after this step
-        for req in forks:  # after the loop: children are not scheduled this step
-            s.fork_children(req)
         if self.cpu_to_free:
             s.cpu_block_pool.free(self.cpu_to_free)
         s.num_steps += 1

@@ -37,8 +37,10 @@ from mini_vllm.forward_context import set_forward_context  # noqa: F401
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.engine.core_client import InprocClient
+from mini_vllm.entrypoints.llm import LLM
 
 # ================================================================ Part 1: the runner
 # ---- the flat batch's index arithmetic (vectorised numpy, no loop per token) ----
@@ -95,8 +97,9 @@ class ModelRunner:
 
     @staticmethod
     def _make_generator(params):
-        """Given: a seeded request's own generator (None without a seed)."""
-        seed = getattr(params, "seed", None)
+        """Given: a seeded request's own generator (None without a seed, and for a
+        Chapter 3 scheduler's own SamplingParams, which declares no seed)."""
+        seed = params.seed if isinstance(params, SamplingParams) else None
         return None if seed is None else torch.Generator().manual_seed(int(seed))
 
     def _update_states(self, so) -> None:
@@ -151,8 +154,8 @@ class ModelRunner:
         states = [self.requests[r] for r in rids]
         for st in states:
             p = st.sampling_params
-            for field in ("prompt_logprobs", "structured_outputs"):
-                if getattr(p, field, None) is not None:
+            for field in ("prompt_logprobs", "structured_outputs"):  # getattr: a loop over field names
+                if getattr(p, field) is not None:
                     raise NotImplementedError(f"request {st.req_id}: {field} is not part of the exercise's "
                                               "runner; use the reference runner")
         md = SamplingMetadata.from_params(
@@ -167,7 +170,7 @@ class ModelRunner:
                                      lp.selected_token_ranks.tolist())
         for j, (rid, st) in enumerate(zip(rids, states)):
             sampled[rid] = [int(toks[j])]
-            n_lp = getattr(st.sampling_params, "logprobs", None)
+            n_lp = st.sampling_params.logprobs
             if lp is not None and n_lp is not None:
                 logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
 
@@ -177,14 +180,14 @@ def plug_runner(llm) -> None:
     module's `ModelRunner` (same model, same KV cache), before it runs any request.
     The engine core must run in this process (`multiprocess_mode=False`, or
     MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0), where the runner can be swapped."""
-    client = getattr(llm, "llm_engine", llm).engine_core
+    client = (llm.llm_engine if isinstance(llm, LLM) else llm).engine_core
     if not isinstance(client, InprocClient):
         raise ValueError("plug_runner: the engine core runs in another process; build the engine with "
                          "multiprocess_mode=False (or MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     core = client.engine_core
     cfg = core.config
     for field, off in (("speculative_config", cfg.speculative is None), ("kv_transfer_config", core.kv_connector is None),
-                       ("tensor_parallel_size", getattr(cfg, "tensor_parallel_size", 1) == 1)):
+                       ("tensor_parallel_size", cfg.tensor_parallel_size == 1)):
         if not off:
             raise ValueError(f"plug_runner: {field} is not part of the exercise's runner")
     if core.has_unfinished_requests():

@@ -11,12 +11,14 @@ context), with prompts cut from the standard library. After every
 `schedule()` (the blocks a step runs with) we count the distinct KV blocks in
 use and the blocks the same sequences would hold without sharing (the sum of
 their block-table lengths); saving = 1 - Σ distinct / Σ unshared over the
-run. Parallel sampling shares the prompt (the scheduler's `fork_children`
-forks it copy-on-write); prefix caching is off there, so forks are the only
-source of sharing. Beam search shares every common prefix of its beams
-through prefix caching (05_mini_vllm/beam_search.py re-submits each live beam
-every round, as vLLM v1 does, and the round's requests hit the same cached
-blocks), so prefix caching is on for it.
+run. Both share through prefix caching, as in vLLM v1. Parallel sampling:
+the front end sends the n samples as n requests (`engine/parallel_sampling.py`),
+admitted together, and each sibling hits the full prompt blocks the first one
+writes in that same step; only the partly filled last block is each sample's
+own. Beam search shares every common prefix of its beams (05_mini_vllm/beam_search.py
+re-submits each live beam every round, and the round's requests hit the same
+cached blocks). The meter reads the scheduler after every `schedule()`, so
+the engine core runs in this process.
 
 Run: .venv/bin/python benchmarks/bench_sharing.py [--requests 16] [--threads 1]
 """
@@ -85,7 +87,7 @@ class Meter:
 def make_llm(max_seqs: int, prefix_caching: bool = False) -> LLM:
     return LLM(str(model_path("tiny-py-target")), dtype="float32", device="cpu",
                enable_prefix_caching=prefix_caching, max_num_seqs=max_seqs,
-               kv_cache_memory_bytes=320 << 20)
+               kv_cache_memory_bytes=320 << 20, multiprocess_mode=False)
 
 
 def run_parallel(llm: LLM, reqs, n: int) -> Meter:
@@ -116,7 +118,7 @@ def measure(n_requests: int, datasets=("Alpaca", "ShareGPT"), seed: int = 0, wid
         reqs = workload(dataset, n_requests, stream, seed)
         for method, run in (("parallel", run_parallel), ("beam", run_beam)):
             for k in widths:
-                llm = make_llm(max_seqs=k * n_requests, prefix_caching=method == "beam")
+                llm = make_llm(max_seqs=k * n_requests, prefix_caching=True)
                 t = time.perf_counter()
                 m = run(llm, reqs, k)
                 assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == \

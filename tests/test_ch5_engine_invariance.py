@@ -83,21 +83,24 @@ def test_greedy_tokens_invariant_to_scheduling(work, variant, impl):
     assert_pool_full(llm)
 
 
-MODES = pytest.mark.parametrize("multiprocess_mode", [False, True], ids=["core-inproc", "core-process"])
-
-
 def _num_preemptions(llm) -> int:
     return llm.llm_engine.engine_core.call_utility("make_stats")["num_preemptions"]
 
 
-@MODES
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_really_happens_and_changes_nothing(mode, impl, multiprocess_mode):
-    """Guard against a vacuous invariance test: the tiny cache must preempt. Also
-    with the core in its own process, where it steps on while the front end
-    detokenizes: the tokens must not depend on that either."""
-    if impl == "exercise" and multiprocess_mode:
-        pytest.skip("the exercise's runner is plugged into an in-process core")
+def test_preemption_really_happens_and_changes_nothing(mode, impl):
+    """Guard against a vacuous invariance test: the tiny cache must preempt."""
+    _check_preemption(mode, impl, multiprocess_mode=False)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_changes_nothing_with_the_core_in_its_own_process(mode):
+    """The same with the core in its own process, which steps on while the front end
+    detokenizes (reference only: the exercise's runner plugs into an in-process core)."""
+    _check_preemption(mode, "reference", multiprocess_mode=True)
+
+
+def _check_preemption(mode, impl, multiprocess_mode):
     prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
     llm = make_llm_for(impl, block_size=8, max_model_len=128, num_gpu_blocks_override=9,
                        preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
@@ -110,13 +113,21 @@ def test_preemption_really_happens_and_changes_nothing(mode, impl, multiprocess_
     llm.shutdown()
 
 
-@MODES
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_seeded_sampling_invariant_under_preemption(mode, impl, multiprocess_mode):
+def test_seeded_sampling_invariant_under_preemption(mode, impl):
     """A seeded request's generator lives as long as the request: a preempted
     request, recomputed or swapped back in, continues its draws where it
     stopped, so its tokens equal those of the same requests in a cache that
     never preempts."""
+    _check_seeded_preemption(mode, impl, multiprocess_mode=False)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_invariant_with_the_core_in_its_own_process(mode):
+    _check_seeded_preemption(mode, "reference", multiprocess_mode=True)
+
+
+def _check_seeded_preemption(mode, impl, multiprocess_mode):
     prompts = [[5 + i] * 20 + list(range(100 + 10 * i, 110 + 10 * i)) for i in range(4)]
     params = [SamplingParams(max_tokens=30, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
 
@@ -125,8 +136,6 @@ def test_seeded_sampling_invariant_under_preemption(mode, impl, multiprocess_mod
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outs]
 
-    if impl == "exercise" and multiprocess_mode:
-        pytest.skip("the exercise's runner is plugged into an in-process core")
     _, want = run()
     llm, got = run(impl, num_gpu_blocks_override=9, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
                    multiprocess_mode=multiprocess_mode)

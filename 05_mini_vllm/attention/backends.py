@@ -23,13 +23,16 @@ Backends:
 * "triton": the Triton kernels of `mini_vllm.kernels` (the GPU path);
 * "cpu": the numba-compiled kernel `mini_vllm.kernels.cpu_paged_attention`,
   which reads K/V blocks in place (the CPU default: it skips the padded
-  gather that "torch" copies every block into);
+  gather that "torch" copies every block into); its per-step metadata
+  (`CPUAttentionMetadata`) is built once per step by `CPUAttentionMetadataBuilder`;
 * "torch": vectorised PyTorch (`torch_attn.py`: one block-granular gather
   through the block tables and one masked `scaled_dot_product_attention` per
   group), checked against Chapter 1's per-sequence reference
   `mini_vllm.paged_attention.paged_attention_varlen`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,30 +75,52 @@ class TritonAttentionBackend:
                                       md.cu_seqlens_q, md.seq_lens, scale)
 
 
+@dataclass
+class CPUAttentionMetadata:
+    """The cpu backend's own metadata of one step (vLLM: `CPUAttentionMetadata` in
+    `vllm/v1/attention/backends/cpu_attn.py`), shared by every layer."""
+
+    slots: torch.Tensor          # int64 cache slots of the tokens whose K/V is kept (no -1)
+    real: torch.Tensor | None    # bool [num_tokens]: which tokens are kept; None: all of them
+    # The kernel's plan of this batch: made by the first layer's `run_varlen`, reused by all.
+    plans: dict = field(default_factory=dict)
+
+
+class CPUAttentionMetadataBuilder:
+    """Builds `CPUAttentionMetadata` once per step (vLLM:
+    `CPUAttentionMetadataBuilder.build`). vLLM's runner calls its builders before
+    the forward pass; here the step's first layer calls it, so the backend also
+    works when called without a runner (tests, benchmarks)."""
+
+    def build(self, md: AttentionMetadata, num_blocks: int, block_size: int) -> CPUAttentionMetadata:
+        # The kernel has no bounds checks: a bad block id would read outside the
+        # cache. Check the metadata once per step (every layer shares md), not per layer.
+        md.validate(num_blocks, block_size)
+        real = md.slot_mapping >= 0  # -1: a token whose K/V is not kept
+        slots = md.slot_mapping.long()  # index_copy_ takes int64 indices
+        if bool(real.all()):
+            return CPUAttentionMetadata(slots, None)
+        return CPUAttentionMetadata(slots[real], real)
+
+
 class CpuAttentionBackend:
     """The numba-compiled CPU kernel (`mini_vllm.kernels.cpu_paged_attention`):
     one parallel launch over (sequence, KV head, query tile), blocks read in place."""
 
     name = "cpu"
+    builder = CPUAttentionMetadataBuilder()  # stateless: one for every layer
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
         # Imported lazily: numba takes a moment to import and the other backends never need it.
         from mini_vllm.kernels.cpu_paged_attention import check_cpu_inputs, run_varlen
 
-        if not getattr(md, "_cpu_checked", False):
-            # The kernel has no bounds checks: a bad block id would read outside the
-            # cache. Check the metadata once per step (every layer shares md), not per layer.
-            md.validate(key_cache.shape[0], key_cache.shape[1])
-            real = md.slot_mapping >= 0  # -1: a token whose K/V is not kept
-            slots = md.slot_mapping.long()  # index_copy_ takes int64 indices
-            md._cpu_real = None if bool(real.all()) else real
-            md._cpu_slots = slots if md._cpu_real is None else slots[real]
-            md._cpu_plans = {}  # the kernel's plan of this batch, made by the first layer, used by all
-            md._cpu_checked = True
+        cpu_md = md.backend_metadata
+        if not isinstance(cpu_md, CPUAttentionMetadata):  # the step's first layer
+            cpu_md = md.backend_metadata = self.builder.build(md, key_cache.shape[0], key_cache.shape[1])
         check_cpu_inputs(query, key_cache, value_cache)
-        write_kv_in_place(key, value, key_cache, value_cache, md._cpu_slots, md._cpu_real)
+        write_kv_in_place(key, value, key_cache, value_cache, cpu_md.slots, cpu_md.real)
         return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale,
-                          plan_cache=md._cpu_plans)
+                          plan_cache=cpu_md.plans)
 
 
 def write_kv_in_place(key, value, key_cache, value_cache, slots, real=None) -> None:

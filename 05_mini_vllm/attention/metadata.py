@@ -1,10 +1,12 @@
 """Per-step attention metadata: how one varlen batch lies in the paged KV cache.
 
-vLLM counterpart: the metadata of the attention backends in
-`vllm/v1/attention/backends/` (`FlashAttentionMetadata`, built once per step by
-its metadata builder). The runner builds one per step and validates it once;
-every attention layer of that forward pass reads it through
-`mini_vllm.forward_context`.
+vLLM counterpart: `CommonAttentionMetadata` in `vllm/v1/attention/backends/utils.py`,
+from which each backend's metadata builder builds its own metadata once per
+step (`FlashAttentionMetadataBuilder.build` -> `FlashAttentionMetadata`). The
+runner builds one per step and validates it once; every attention layer of
+that forward pass reads it through `mini_vllm.forward_context`. A backend's
+own metadata (`backend_metadata`) is built by the step's first layer and
+reused by the others, so per-step work is never repeated per layer.
 
 Invariants (checked once per step by `AttentionMetadata.validate`):
 * `slot_mapping[t]` is the cache slot of the t-th scheduled token (-1: write nothing);
@@ -14,7 +16,8 @@ Invariants (checked once per step by `AttentionMetadata.validate`):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,12 +33,19 @@ class AttentionMetadata:
     # Host copies (lists), so a backend never syncs to read lengths back.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step state, not inputs (init=False: the constructor never takes them).
+    # The backend's own metadata of this step, made by its builder on the first
+    # layer: `backends.CPUAttentionMetadata` ("cpu"), `torch_attn.TorchAttentionMetadata`
+    # ("torch"); None until then. Each backend checks the type it builds.
+    backend_metadata: Any = field(default=None, init=False, repr=False, compare=False)
+    # The cache shape (num_blocks, block_size) that `validate` last passed.
+    _validated_for: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self, num_blocks: int, block_size: int) -> None:
         """Chapter 1's argument checks, once per step (not once per layer). A
         second call for the same cache shape (the runner checks, then the cpu
         backend, which may also be called without a runner) returns at once."""
-        if getattr(self, "_validated_for", None) == (num_blocks, block_size):
+        if self._validated_for == (num_blocks, block_size):
             return
         from mini_vllm.kernels.paged_checks import check_cu_seqlens_q, check_table_entries
 

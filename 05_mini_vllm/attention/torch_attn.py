@@ -4,7 +4,8 @@ vLLM has no CPU counterpart of this exact code; its shape follows the
 FlashInfer backend (`vllm/v1/attention/backends/flashinfer.py`), which plans a
 batch once per step and splits decodes from prefills.
 
-Per step, `plan()` (cached on the AttentionMetadata, reused by every layer):
+Per step, `plan()` (stored as the step's `TorchAttentionMetadata` in
+`AttentionMetadata.backend_metadata` by the first layer, reused by the others):
 * splits the sequences into groups: prefill chunks bucketed by query x key
   size, decodes by key length (sorted, a new bucket when the size falls below
   2/3 of the bucket's first), so a few long sequences do not pad every short
@@ -40,6 +41,13 @@ class GroupPlan:
     mask: torch.Tensor             # [S, max_q, max_s] True where query may see key
     seq_of_tok: torch.Tensor | None  # prefill: padded (sequence, offset) of each query row
     off_of_tok: torch.Tensor | None
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """The torch backend's own metadata of one step: its groups, in order."""
+
+    groups: list[GroupPlan]
 
 
 def _buckets(seqs: list[int], size, min_bucket: int = _MIN_BUCKET) -> list[list[int]]:
@@ -83,9 +91,8 @@ def _group_plan(seqs, starts, q_lens, s_lens, block_tables, block_size, dev, eve
 
 def plan(md, block_size: int, device) -> list[GroupPlan]:
     """The step's groups; computed by the first layer, reused by the others."""
-    cached = getattr(md, "_torch_plan", None)
-    if cached is not None:
-        return cached
+    if isinstance(md.backend_metadata, TorchAttentionMetadata):
+        return md.backend_metadata.groups
     q_lens, s_lens = md.query_lens_cpu, md.seq_lens_cpu
     starts = [0]
     for q in q_lens:
@@ -99,7 +106,7 @@ def plan(md, block_size: int, device) -> list[GroupPlan]:
     everything = len(groups) == 1 and groups[0] == list(range(len(q_lens)))
     out = [_group_plan(g, starts, q_lens, s_lens, md.block_tables, block_size, device, everything)
            for g in groups]
-    md._torch_plan = out
+    md.backend_metadata = TorchAttentionMetadata(out)
     return out
 
 

@@ -138,8 +138,8 @@ class EngineCore:
         mro = self.executor.execute_model(so)
         t2 = time.monotonic()
         outputs = self.scheduler.update_from_output(so, mro)
-        if mro.spec_token_ids:
-            self._set_drafts(mro.spec_token_ids)
+        if mro.spec_token_ids:  # the proposer's drafts, for the next schedule()
+            self.scheduler.update_draft_token_ids(mro.spec_token_ids)
         lps = mro.logprobs or {}
         plps = mro.prompt_logprobs_dict or {}
         for o in outputs:
@@ -154,20 +154,6 @@ class EngineCore:
         self._seen -= so.finished_req_ids
         res.timestamps = {"start": t0, "scheduled": t1, "executed": t2, "updated": time.monotonic()}
         return res
-
-    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """Hand the runner's proposals to the scheduler's requests for the next
-        `schedule()`. vLLM does this inside the scheduler's `update_from_output`
-        (`vllm/v1/core/sched/scheduler.py`, from `ModelRunnerOutput.spec_token_ids`);
-        here the engine core does it right after that call, which leaves Chapter
-        3's `update_from_output` (and its exercise) free of proposer output.
-        Drafts past the last token a request may still emit are dropped, they
-        could never be used."""
-        for rid, d in drafts.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                room = req.max_tokens - req.num_output_tokens - 1
-                req.spec_token_ids = list(d[:max(0, room)])
 
     def spec_decoding_stats(self) -> dict | None:
         """Acceptance rate and per-position acceptance of verified drafts: the

@@ -17,6 +17,8 @@ a stop string; the streamed deltas concatenate to the final text.
 """
 from __future__ import annotations
 
+from mini_vllm.sampling_params import SamplingParams
+
 try:
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 except ImportError:  # another transformers layout: always take the tokenizer's own decode
@@ -34,22 +36,21 @@ def fast_decoder(tokenizer):
     Why: the window is decoded twice per output token, and transformers'
     wrapper costs 7 us a call against 1.5 us for the Rust call (128 requests of
     the throughput workload: 0.28 -> 0.05 s of decoding)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (TokenizersBackend is None or backend is None or not isinstance(tokenizer, TokenizersBackend)
+    if (TokenizersBackend is None or not isinstance(tokenizer, TokenizersBackend)
             or type(tokenizer)._decode is not TokenizersBackend._decode
-            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+            or tokenizer.clean_up_tokenization_spaces or tokenizer._tokenizer is None):
         return None
-    return backend.decode
+    return tokenizer._tokenizer.decode
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = getattr(params, "skip_special_tokens", True)
-        self.stop = list(getattr(params, "stop", None) or [])
-        self.include_stop = getattr(params, "include_stop_str_in_output", False)
-        self.min_tokens = getattr(params, "min_tokens", 0)
-        self.enabled = tokenizer is not None and getattr(params, "detokenize", True)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = list(params.stop or [])
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.enabled = tokenizer is not None and params.detokenize
         self._fast = fast_decoder(tokenizer) if self.enabled else None
         ctx = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.ids: list[int] = ctx

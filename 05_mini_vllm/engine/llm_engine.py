@@ -35,6 +35,7 @@ from mini_vllm.config import EngineConfig
 from mini_vllm.engine import EngineCoreOutputs, EngineCoreRequest, multiprocessing_enabled
 from mini_vllm.engine.core_client import InprocClient, SyncMPClient
 from mini_vllm.engine.output_processor import OutputProcessor
+from mini_vllm.engine.parallel_sampling import ParentRequest
 from mini_vllm.engine.processor import Processor, load_tokenizer
 from mini_vllm.generation_config import get_diff_sampling_param
 from mini_vllm.metrics.loggers import EngineMetrics, LoggingStatLogger
@@ -109,10 +110,15 @@ class LLMEngine:
             request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
         self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids,
                                           request.sampling_params, output_kind, request.arrival_time)
+        sent: list[str] = []
         try:
-            self.engine_core.add_request(request)
+            for child in ParentRequest(request).child_requests():  # n > 1: the front end fans out
+                self.engine_core.add_request(child)
+                sent.append(child.request_id)
         except BaseException:
             self.output_processor.abort_requests([request_id])
+            if sent:
+                self.engine_core.abort_requests(sent)
             raise
 
     def abort_request(self, request_ids) -> None:

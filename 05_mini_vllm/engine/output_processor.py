@@ -1,8 +1,8 @@
 """Turn the engine core's per-step token lists into `RequestOutput`s.
 
 vLLM counterpart: `vllm/v1/engine/output_processor.py` (`OutputProcessor`,
-`RequestState`) and `vllm/v1/engine/parallel_sampling.py` (`ParentRequest`,
-which gathers the n samples of one request).
+`RequestState`); `parallel_sampling.py` fans a request with n samples out
+into n core requests, and this module joins their outputs back.
 
 Per request it keeps the detokenizer, the tokens, logprobs, timing, and for
 n > 1 one `_Sample` per sibling. Output kinds (vLLM's `RequestOutputKind`):
@@ -25,7 +25,8 @@ import time
 from mini_vllm.engine.detokenizer import IncrementalDetokenizer
 from mini_vllm.metrics.stats import FinishedRequestStats, IterationStats
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from mini_vllm.scheduler.scheduler import child_request_id
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.engine.parallel_sampling import child_request_id
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
@@ -45,14 +46,13 @@ class _Sample:
 
 
 class RequestState:
-    def __init__(self, request_id, prompt, prompt_token_ids, params, tokenizer, output_kind,
-                 arrival_time) -> None:
+    def __init__(self, request_id, prompt, prompt_token_ids, params: SamplingParams, tokenizer,
+                 output_kind, arrival_time) -> None:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.output_kind, self.tokenizer = params, output_kind, tokenizer
-        n = getattr(params, "n", 1)
-        lp = getattr(params, "logprobs", None) is not None
+        lp = params.logprobs is not None
         self.samples = [_Sample(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, params), lp)
-                        for i in range(n)]
+                        for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs = None  # PromptLogprobs once the prompt is computed
@@ -119,9 +119,9 @@ class OutputProcessor:
                 continue
             self._timing(st, smp, len(o.new_token_ids), now, it)
             smp.token_ids.extend(o.new_token_ids)
-            st.num_cached_tokens = max(st.num_cached_tokens, getattr(o, "num_cached_tokens", 0))
+            st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
             self._logprobs(smp, o)
-            if getattr(o, "prompt_logprobs", None) is not None and st.prompt_logprobs is None:
+            if o.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = self._prompt_logprobs(o.prompt_logprobs)
             reason = o.finish_reason
             stop_tok = reason == "stop" and bool(o.new_token_ids)
@@ -161,7 +161,7 @@ class OutputProcessor:
     def _logprobs(self, smp, o) -> None:
         if smp.logprobs is None:
             return
-        for tok, entry in zip(o.new_token_ids, getattr(o, "logprobs", None) or []):
+        for tok, entry in zip(o.new_token_ids, o.logprobs or []):
             ids, lps, rank = entry
             d = {int(ids[0]): Logprob(float(lps[0]), int(rank), self._text(ids[0]))}
             for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
@@ -191,7 +191,7 @@ class OutputProcessor:
                                     m.finished_time - m.arrival_time, first - m.arrival_time,
                                     m.ttft, len(st.prompt_token_ids),
                                     sum(len(s.token_ids) for s in st.samples),
-                                    n=len(st.samples), max_tokens=getattr(st.params, "max_tokens", 0),
+                                    n=len(st.samples), max_tokens=st.params.max_tokens,
                                     max_num_generation_tokens=max(len(s.token_ids) for s in st.samples),
                                     prefill_time=first_tok - first, decode_time=last_tok - first_tok,
                                     inference_time=last_tok - first)

@@ -81,7 +81,7 @@ class LLM:
         if tok is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if chat_template is None and getattr(tok, "chat_template", None) is None:
+        if chat_template is None and tok.chat_template is None:
             raise ValueError("the tokenizer has no chat_template; pass chat_template=...")
         prompts = []
         for conv in convs:

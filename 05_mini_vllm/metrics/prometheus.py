@@ -34,6 +34,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from mini_vllm.metrics.stats import StepStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -99,7 +101,7 @@ class PrometheusStatLogger:
         g = Gauge("vllm:cache_config_info", "KV cache configuration", sorted(info), registry=self.registry)
         g.labels(**{k: str(v) for k, v in info.items()}).set(1)
 
-    def record(self, st) -> None:
+    def record(self, st: StepStats) -> None:
         s = st.scheduler_stats
         if s is not None:
             self.running.set(s.num_running_reqs)
@@ -118,7 +120,7 @@ class PrometheusStatLogger:
             self.itl.observe(x)
         for x in st.e2e_latencies:
             self.e2e.observe(x)
-        for f in getattr(st, "finished", ()):
+        for f in st.finished:
             if f.finish_reason in self.success:
                 self.success[f.finish_reason].inc()
             h = self.per_request
@@ -132,7 +134,7 @@ class PrometheusStatLogger:
                                 ("request_inference_time_seconds", f.inference_time),
                                 ("request_time_per_output_token_seconds", f.mean_time_per_output_token)):
                 h[name].observe(value)
-        for x in getattr(st, "iteration_tokens", ()):
+        for x in st.iteration_tokens:
             self.iteration_tokens.observe(x)
 
     def render(self) -> bytes:

@@ -73,9 +73,10 @@ PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() e
 
 
 def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of `weight`, cached on `owner` until the weight changes."""
+    """The oneDNN-packed copy of `weight`, cached in `owner._onednn_packed` (a field
+    every layer that calls `linear` declares) until the weight changes."""
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-    cached = getattr(owner, "_onednn_packed", None)
+    cached = owner._onednn_packed
     if cached is None or cached[0] != key:
         with torch.no_grad():
             cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))

@@ -104,6 +104,8 @@ class VocabParallelEmbedding(nn.Module):
                                    num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         self.weight.weight_loader = self.weight_loader
+        # As lm_head (`ParallelLMHead`): (key, oneDNN-packed weight), made by `cpu_ops.linear`.
+        self._onednn_packed: tuple | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         if self.tp.world_size == 1:

@@ -20,25 +20,24 @@ import torch
 from mini_vllm.metrics.stats import SpecDecodingStats
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sample.ops.topk_topp import apply_top_k_top_p
+from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.spec_decode import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 
 
-def spec_eligible(params) -> bool:
+def spec_eligible(params: SamplingParams) -> bool:
     """Drafts only for requests whose processing the verifier reproduces
     exactly (temperature, top-k, top-p): no penalties, min_p, min_tokens,
     logprobs, logit_bias, allowed_token_ids, bad_words or structured outputs,
     and no seed (a seeded request must give the same tokens with and without
     speculation, and verification consumes random numbers differently)."""
-    return (getattr(params, "seed", None) is None and getattr(params, "logprobs", None) is None
-            and getattr(params, "min_p", 0.0) == 0.0 and getattr(params, "min_tokens", 0) == 0
-            and getattr(params, "presence_penalty", 0.0) == 0.0
-            and getattr(params, "frequency_penalty", 0.0) == 0.0
-            and getattr(params, "repetition_penalty", 1.0) == 1.0
+    return (params.seed is None and params.logprobs is None
+            and params.min_p == 0.0 and params.min_tokens == 0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0
             # Token controls and grammars shape each row before sampling; verification
             # would need them on every draft row, so such requests decode without drafts.
-            and not getattr(params, "logit_bias", None) and not getattr(params, "allowed_token_ids", None)
-            and not getattr(params, "bad_words", None)
-            and getattr(params, "structured_outputs", None) is None)
+            and not params.logit_bias and not params.allowed_token_ids and not params.bad_words
+            and params.structured_outputs is None)
 
 
 def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_request=None) -> torch.Tensor:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mini_vllm.sampling_params import SamplingParams
+
 
 @dataclass
 class CachedRequestState:
@@ -30,7 +32,9 @@ class CachedRequestState:
     token_ids: list[int]          # prompt + output, as the scheduler sent them
     block_ids: list[int]
     num_computed_tokens: int
-    sampling_params: object
+    # The engine's SamplingParams (the model-free runner test drives the runner
+    # from a Chapter 3 scheduler, whose own SamplingParams holds only stop rules).
+    sampling_params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None = None
     spec_token_ids: list[int] = field(default_factory=list)

@@ -30,6 +30,7 @@ from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 from mini_vllm.sample.sampler import Sampler, gather_logprobs
 from mini_vllm.sample.metadata import SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 
@@ -104,7 +105,9 @@ class ModelRunner:
 
     @staticmethod
     def _make_generator(params):
-        seed = getattr(params, "seed", None)
+        # A Chapter 3 scheduler's own SamplingParams (max_tokens and stop rules
+        # only, as in tests/test_ch5_runner.py) declares no seed: no generator.
+        seed = params.seed if isinstance(params, SamplingParams) else None
         if seed is None:
             return None
         return torch.Generator().manual_seed(int(seed))
@@ -165,7 +168,7 @@ class ModelRunner:
         md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
         kvc = self.kv_connector
         if kvc is not None:  # external KV lands in its blocks before any layer reads them
-            kvc.bind_connector_metadata(getattr(so, "kv_connector_metadata", None))
+            kvc.bind_connector_metadata(so.kv_connector_metadata)
             kvc.start_load_kv(md)
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
@@ -218,14 +221,14 @@ class ModelRunner:
                                      lp.selected_token_ranks.tolist())
         for j, (rid, st) in enumerate(zip(rids, states)):
             sampled[rid] = [int(toks[j])]
-            n_lp = getattr(st.sampling_params, "logprobs", None)
+            n_lp = st.sampling_params.logprobs
             if lp is not None and n_lp is not None:
                 logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
 
     def _grammar_bitmask(self, states):
         """One bitmask row per sampling request; None when none is constrained."""
         rows = [(j, st) for j, st in enumerate(states)
-                if getattr(st.sampling_params, "structured_outputs", None) is not None]
+                if st.sampling_params.structured_outputs is not None]
         if not rows:
             return None
         from mini_vllm.structured_output import get_backend
@@ -253,7 +256,7 @@ class ModelRunner:
             q = md.query_lens_cpu[i]
             row0, start_row = start_row, start_row + q
             st = self.requests[rid]
-            k = getattr(st.sampling_params, "prompt_logprobs", None)
+            k = st.sampling_params.prompt_logprobs
             if k is None or st.prompt_logprobs_sent:
                 continue
             n_prompt = len(st.prompt_token_ids)

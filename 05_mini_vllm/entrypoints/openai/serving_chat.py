@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
-        if self.chat_template is None and getattr(tok, "chat_template", None) is None:
+        if self.chat_template is None and tok.chat_template is None:
             raise ValueError("messages cannot be rendered: the tokenizer has no chat_template; "
                              "start the server with --chat-template")
         from jinja2 import TemplateError

@@ -71,7 +71,7 @@ def system_fingerprint(config) -> str:
 
     keys = ("model", "dtype", "block_size", "max_model_len", "tensor_parallel_size", "speculative_config",
             "attention_backend", "generation_config")
-    text = json.dumps({k: str(getattr(config, k, None)) for k in keys}, sort_keys=True)
+    text = json.dumps({k: str(getattr(config, k)) for k in keys}, sort_keys=True)  # getattr: k runs over field names
     return f"mini-vllm-{mini_vllm.__version__}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
