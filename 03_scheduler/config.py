@@ -29,6 +29,9 @@ class SchedulerConfig:
     staging_size: int = 8
     # swap: number of CPU blocks (same block size as the GPU pool).
     num_cpu_blocks: int = 0
+    # Asynchronous scheduling (seed 001 §4.6.1): step N + 1 is scheduled before
+    # step N's tokens are known; each token in flight is an output placeholder.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "staging_size"):

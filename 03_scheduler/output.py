@@ -71,6 +71,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
+    # Requests that sample a token this step (the others are mid-prefill chunks).
+    # Decided when the step is scheduled: under asynchronous scheduling a later
+    # schedule() has moved the requests on before this step's output comes back.
+    sampling_req_ids: set[str] = field(default_factory=set)
     # Chapter 6: what the KV connector's worker side must load and save this step
     # (None without a connector); built by the scheduler's connector.
     kv_connector_metadata: object | None = None

@@ -121,6 +121,10 @@ class Request:
         # carries the rest as `new_token_ids`, so a runner learns every token
         # from SchedulerOutputs alone.
         self.num_tokens_sent: int | None = None
+        # Asynchronous scheduling: tokens sampled by steps already scheduled but
+        # not yet back (each one's position is computed ahead, its id unknown).
+        # Always 0 when the scheduler waits for every step (the default).
+        self.num_output_placeholders = 0
 
     # --- the two numbers and their views -------------------------------
     @property

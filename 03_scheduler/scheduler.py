@@ -135,14 +135,21 @@ class Scheduler:
         verifying k drafts; exactly 1 for a request that completed its tokens
         without drafts; 0 or 1 for a mid-prefill chunk, and that one is
         discarded (a runner may sample every row; the token is meaningless).
+
+        Asynchronous scheduling: a later step may already be scheduled, so
+        whether this step sampled comes from `sampling_req_ids` (decided when
+        it was scheduled), each token that arrives replaces one placeholder,
+        and a request preempted meanwhile still gets its token (it was
+        sampled; dropping it would make a seeded request draw it again).
         """
         mro = model_runner_output
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        sampling = scheduler_output.sampling_req_ids
         plan = []  # (request, sampled token ids to append, rejected drafts)
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted since the step was scheduled
+            if req is None or req.is_finished():
+                continue  # aborted (or finished) since the step was scheduled
             idx = mro.req_id_to_index.get(req_id)
             sampled = [int(t) for t in mro.sampled_token_ids[idx]] if idx is not None else []
             drafts = spec_tokens.get(req_id) if spec_tokens else None
@@ -152,7 +159,7 @@ class Scheduler:
                     raise ValueError(f"request {req_id!r}: verifying {len(drafts)} drafts must "
                                      f"yield 1..{len(drafts) + 1} tokens, got {len(sampled)}")
                 rejected = len(drafts) - (len(sampled) - 1)
-            if req.num_computed_tokens - rejected < req.num_tokens:  # mid-prefill chunk
+            if req_id not in sampling:  # mid-prefill chunk
                 if not drafts and len(sampled) > 1:
                     raise ValueError(f"request {req_id!r} is mid-prefill: the runner may sample "
                                      f"0 or 1 token (discarded), got {len(sampled)}")
@@ -165,9 +172,15 @@ class Scheduler:
 
         outputs = []
         for req, sampled, rejected in plan:
-            req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
+            if req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
             if not sampled:
                 continue  # mid-prefill chunk: nothing is sampled yet
+            placeholder = req.num_output_placeholders > 0
+            if placeholder:  # asynchronous: the token in flight has arrived
+                req.num_output_placeholders -= 1
+                if req.num_tokens_sent is not None:
+                    req.num_tokens_sent += len(sampled)  # the runner appended it itself
             new_ids: list[int] = []
             status = None
             for tok in sampled:
@@ -177,6 +190,12 @@ class Scheduler:
                 status = self._check_stop(req, tok)
                 if status is not None:
                     break
+            if placeholder and req.status == RequestStatus.RUNNING:
+                # The tokens just arrived may complete blocks that the next allocation
+                # would never see (a request that finishes now is not scheduled again):
+                # hash and cache them now that their tokens are known (vLLM caches in
+                # the update under asynchronous scheduling too). No new slot is taken.
+                self.kv_cache_manager.allocate_slots(req, 0)
             if status is not None:
                 self._finish(req, status)
             reason = req.get_finished_reason() if status is not None else None

@@ -42,7 +42,7 @@ class StepState:
     # ---------------------------------------------------------------- Δ
     @staticmethod
     def remaining(req) -> int:
-        return req.num_tokens_with_spec - req.num_computed_tokens
+        return req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
 
     def delta(self, req, computed: int, total: int) -> int:
         """Δ = min(remaining, budget left), capped by max_model_len and, for
@@ -102,12 +102,18 @@ class StepState:
     def schedule_running(self, req) -> None:
         if req.status != RequestStatus.RUNNING:
             return  # preempted earlier in this step
-        d = self.delta(req, req.num_computed_tokens, req.num_tokens_with_spec)
+        ph = req.num_output_placeholders
+        if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= self.cfg.max_model_len):
+            return  # asynchronous: the token in flight is its last; nothing to compute ahead
+        # Placeholders (asynchronous scheduling) are positions whose token is in flight:
+        # computed ahead like known ones, and, like them, never drafts.
+        known = req.num_tokens + req.num_output_placeholders
+        d = self.delta(req, req.num_computed_tokens, req.num_tokens_with_spec + req.num_output_placeholders)
         if d <= 0:
             return
         while True:
             # Draft positions are lookahead slots: allocated, never hashed.
-            n_spec = max(0, req.num_computed_tokens + d - req.num_tokens)
+            n_spec = max(0, req.num_computed_tokens + d - known)
             new = self.kv.allocate_slots(req, d - n_spec, num_lookahead_tokens=n_spec)
             if new is not None:
                 break
@@ -175,6 +181,8 @@ class StepState:
         s, cfg = self.s, self.cfg
         if len(s.running) >= cfg.max_num_seqs or self.budget <= 0:
             return False
+        if req.num_output_placeholders:
+            return False  # preempted with a token in flight: resume once it is known
         swapped = bool(req.swapped_cpu_block_ids)
         n_ext = 0  # Chapter 6: tokens a KV connector loads beyond the local prefix hit
         if swapped:
@@ -250,6 +258,12 @@ class StepState:
             req.num_tokens_sent = req.num_tokens
         for rid, d in self.num_scheduled.items():
             req = s.requests[rid]
+            # Samples this step iff the step reaches the end of its known tokens and
+            # placeholders (a mid-prefill chunk does not); drafts count as reached.
+            if req.num_computed_tokens + d >= req.num_tokens + req.num_output_placeholders:
+                out.sampling_req_ids.add(rid)
+                if self.cfg.async_scheduling:
+                    req.num_output_placeholders += 1  # its token is now in flight
             req.num_computed_tokens += d
             req.spec_token_ids = []  # consumed (or trimmed away) this step
         if self.cpu_to_free:

@@ -79,6 +79,10 @@ class EngineConfig:
     # Chapter 6: vLLM's KVTransferConfig shape ({"kv_connector", "kv_role",
     # "kv_connector_extra_config"}); None = no KV connector.
     kv_transfer_config: dict | None = None
+    # vLLM's --async-scheduling (seed 001 §4.6.1): the core schedules step N + 1
+    # while step N runs, with a placeholder for each token in flight. Off by
+    # default here; it needs one rank, no speculative decoding and no KV connector.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
@@ -98,6 +102,17 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling:
+            # Drafts are proposed from the token in flight, a connector saves blocks by
+            # known tokens, and the TP driver broadcasts in step order: none is placeholder-aware.
+            for name, ok in (("tensor_parallel_size", self.tensor_parallel_size == 1),
+                             ("speculative_config", self.speculative_config is None),
+                             ("kv_transfer_config", self.kv_transfer_config is None)):
+                if not ok:
+                    raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size), "
+                                     f"got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)
@@ -148,4 +163,5 @@ class EngineConfig:
             max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
-            preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks)
+            preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
+            async_scheduling=self.async_scheduling)

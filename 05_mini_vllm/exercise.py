@@ -19,7 +19,9 @@ Part 2, the sampler's filters (vLLM: `vllm/v1/sample/ops/topk_topp_sampler.py`):
 `apply_top_k_top_p`, `apply_min_p`.
 
 Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
-rows, condensing on removal), the KV tensors and their swap/copy
+rows, condensing on removal; `add_request` also writes the request's sampling
+parameters into the batch's sampling columns, which `_sample` reads through
+`refresh_metadata`), the KV tensors and their swap/copy
 (`self.cache_engine`), the model, the sampler call (`_sample`) and
 `plug_runner`. Your runner covers plain decoding; speculative decoding, KV
 connectors, tensor parallelism, prompt logprobs and structured outputs stay
@@ -36,7 +38,6 @@ from mini_vllm.attention.metadata import AttentionMetadata  # noqa: F401
 from mini_vllm.forward_context import set_forward_context  # noqa: F401
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
 from mini_vllm.sample.sampler import Sampler
-from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.engine.core_client import InprocClient
@@ -89,7 +90,8 @@ class ModelRunner:
         # Every request the runner knows (running or preempted), by id.
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch: one row per request that has a row (see input_batch.py).
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
+                                      self.vocab_size)
         self.sampler = Sampler()
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
@@ -158,10 +160,9 @@ class ModelRunner:
                 if getattr(p, field) is not None:
                     raise NotImplementedError(f"request {st.req_id}: {field} is not part of the exercise's "
                                               "runner; use the reference runner")
-        md = SamplingMetadata.from_params(
-            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], [s.generator for s in states],
-            [s.eos_token_id for s in states], self.vocab_size, logits.device)
+        # The batch's sampling columns, gathered only when these rows changed
+        # (`SamplingMetadata.from_params` over the same states gives the same metadata).
+        md = self.input_batch.refresh_metadata(rids, [s.output_token_ids for s in states], logits.device)
         out = self.sampler(logits, md)
         toks = out.sampled_token_ids.tolist()
         lp = out.logprobs_tensors

@@ -11,6 +11,7 @@ RUNNER = "05_mini_vllm/worker/model_runner.py"
 INPUTS = ["tests/test_ch5_prepare_inputs.py"]
 FILTERS = ["tests/test_ch5_sampler_filters.py"]
 API = ["tests/test_ch5_engine_api.py"]
+ASYNC = "tests/test_ch5_async_scheduling.py"
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -117,5 +118,50 @@ MUTANTS: list[Mutant] = [
         new="(spec_rows.extend(range(row + 1, row + k + 2)) if k else plain_rows.append(row))",
         tests=["tests/test_ch5_spec_decode.py::test_greedy_identical_to_no_speculation"],
         why="drafts verified against the logits of the next position: accepted tokens the target would not emit",
+    ),
+    # Asynchronous scheduling: the races an overlap scheduler must not have.
+    Mutant(
+        name="placeholder_never_subtracted",
+        path="03_scheduler/scheduler.py",
+        old="                req.num_output_placeholders -= 1",
+        new="                req.num_output_placeholders -= 0",
+        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens"],
+        why="a token that came back never replaces its placeholder: the scheduler computes positions "
+            "whose tokens do not exist",
+    ),
+    Mutant(
+        name="block_completed_in_flight_never_cached",
+        path="03_scheduler/scheduler.py",
+        old="                self.kv_cache_manager.allocate_slots(req, 0)",
+        new="                pass",
+        tests=[ASYNC + "::test_prefix_hits_under_async_scheduling_read_only_known_tokens"],
+        why="blocks are hashed only at the next allocation, which a request finishing with tokens in "
+            "flight never gets: its last full blocks are never cached and later turns miss them",
+    ),
+    Mutant(
+        name="token_of_preempted_request_dropped",
+        path="03_scheduler/scheduler.py",
+        old="if req is None or req.is_finished():",
+        new="if req is None or req.status != RequestStatus.RUNNING:",
+        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens"],
+        why="a request preempted while its step was in flight loses the token that step sampled",
+    ),
+    Mutant(
+        name="resumed_before_token_known",
+        path="03_scheduler/step.py",
+        old="""        if req.num_output_placeholders:
+            return False  # preempted with a token in flight: resume once it is known""",
+        new="",
+        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens"],
+        why="a request preempted with a token in flight is resumed before the token is back",
+    ),
+    Mutant(
+        name="runner_forgets_its_own_tokens",
+        path=RUNNER,
+        old="""        if self.async_scheduling:
+            self._append_sampled(sampled)""",
+        new="",
+        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens"],
+        why="the runner waits for the scheduler to send tokens it sampled itself: the next step reads a stale input",
     ),
 ]

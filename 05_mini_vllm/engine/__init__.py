@@ -109,6 +109,8 @@ class EngineCoreOutputs:
         t = self.timestamps
         if not t:
             return {}
-        return {"schedule": t["scheduled"] - t["start"], "execute": t["executed"] - t["scheduled"],
+        # Asynchronously scheduled steps also wait in the queue: execute counts from their start.
+        start = t.get("execute_start", t["scheduled"])
+        return {"schedule": t["scheduled"] - t["start"], "execute": t["executed"] - start,
                 "update": t["updated"] - t["executed"]}
 

@@ -30,6 +30,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -87,6 +88,10 @@ class EngineCore:
                                    config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                    connector=self.kv_connector)
         self._seen: set[str] = set()
+        # Asynchronous scheduling: (future, SchedulerOutput, prompt tokens, stamps) of the
+        # batches submitted and not yet updated from; None when every step is synchronous.
+        self.batch_queue: collections.deque | None = collections.deque() if config.async_scheduling else None
+        self.batch_queue_size = 2
 
     def ready_info(self) -> EngineCoreReady:
         """The facts the front end validates requests against (the handshake)."""
@@ -124,19 +129,65 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (none with one rank)."""
+        self.executor.shutdown_step_thread()
         self.executor.shutdown()
 
     def step(self) -> EngineCoreOutputs:
+        """One synchronous step: schedule, execute, update; the next step is
+        scheduled only once this one's tokens are known."""
         t0 = time.monotonic()
+        so, prompt_tokens = self._schedule()
+        t1 = time.monotonic()
+        mro = self.executor.execute_model(so)
+        return self._update(so, mro, prompt_tokens, {"start": t0, "scheduled": t1, "executed": time.monotonic()})
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """One step of asynchronous scheduling (vLLM's `step_with_batch_queue`).
+
+        While the queue has room, schedule the next batch and submit it without
+        waiting: its running requests compute the position of the token still in
+        flight (a placeholder). When the queue is full (two batches: one runs, the
+        next waits behind it), wait for the oldest and update from it. Returns
+        None when it only scheduled, so that the busy loop can take the
+        messages that arrived before it schedules again."""
+        q = self.batch_queue
+        if len(q) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            t0 = time.monotonic()
+            so, prompt_tokens = self._schedule()
+            if so.total_num_scheduled_tokens > 0 or not q:
+                q.append((self.executor.execute_model_async(so), so, prompt_tokens, t0, time.monotonic()))
+                if len(q) < self.batch_queue_size and so.total_num_scheduled_tokens > 0:
+                    return None
+        if not q:
+            return None
+        fut, so, prompt_tokens, t0, t1 = q.popleft()
+        mro, t_exec, t2 = fut.result()  # a step that raised raises here: the engine is dead
+        out = self._update(so, mro, prompt_tokens,
+                           {"start": t0, "scheduled": t1, "execute_start": t_exec, "executed": t2})
+        self._check_placeholders()
+        return out
+
+    def _check_placeholders(self) -> None:
+        """Each placeholder is a token of a batch still in the queue: a request can
+        never have more than the queue holds. Fails fast (the engine dies with this
+        message) instead of scheduling positions whose tokens will never come."""
+        n = len(self.batch_queue)
+        for req in self.scheduler.requests.values():  # preempted ones too: they wait for theirs
+            if not 0 <= req.num_output_placeholders <= n:
+                raise RuntimeError(
+                    f"request {req.request_id!r} has {req.num_output_placeholders} output placeholders with "
+                    f"{n} step(s) in flight: a token that came back did not replace its placeholder")
+
+    def _schedule(self):
         so = self.scheduler.schedule()
         # Prompt tokens in this step: schedule() already advanced each request by Δ.
         reqs = self.scheduler.requests
         prompt_tokens = sum(
             max(0, min(d, reqs[r].num_prompt_tokens - (reqs[r].num_computed_tokens - d)))
             for r, d in so.num_scheduled_tokens.items())
-        t1 = time.monotonic()
-        mro = self.executor.execute_model(so)
-        t2 = time.monotonic()
+        return so, prompt_tokens
+
+    def _update(self, so, mro, prompt_tokens: int, stamps: dict[str, float]) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(so, mro)
         if mro.spec_token_ids:  # the proposer's drafts, for the next schedule()
             self.scheduler.update_draft_token_ids(mro.spec_token_ids)
@@ -152,7 +203,7 @@ class EngineCore:
                 self._seen.add(nr.req_id)
                 res.first_scheduled.append(nr.req_id)
         self._seen -= so.finished_req_ids
-        res.timestamps = {"start": t0, "scheduled": t1, "executed": t2, "updated": time.monotonic()}
+        res.timestamps = {**stamps, "updated": time.monotonic()}
         return res
 
     def spec_decoding_stats(self) -> dict | None:
@@ -195,7 +246,7 @@ class EngineCoreProc(EngineCore):
         """Say READY, then: apply every message that has arrived, take one step; block while idle."""
         self.output_queue.put((EngineCoreOutputType.READY, self.ready_info()))
         while True:
-            block = not self.scheduler.has_unfinished_requests()
+            block = not self.scheduler.has_unfinished_requests() and not self.batch_queue
             while True:
                 try:
                     kind, payload = self.input_queue.get(block=block)
@@ -205,8 +256,10 @@ class EngineCoreProc(EngineCore):
                 if kind == EngineCoreRequestType.SHUTDOWN:
                     return
                 self._handle_client_request(kind, payload)
-            if self.scheduler.has_unfinished_requests():
-                self.output_queue.put((EngineCoreOutputType.OUTPUTS, self.step()))
+            if self.scheduler.has_unfinished_requests() or self.batch_queue:
+                out = self.step() if self.batch_queue is None else self.step_with_batch_queue()
+                if out is not None:
+                    self.output_queue.put((EngineCoreOutputType.OUTPUTS, out))
 
     def _handle_client_request(self, kind, payload) -> None:
         if kind == EngineCoreRequestType.ADD:

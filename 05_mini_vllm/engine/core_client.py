@@ -65,7 +65,15 @@ class InprocClient:
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        core = self.engine_core
+        if core.batch_queue is None:
+            return core.step()
+        while True:  # asynchronous scheduling: until a batch's outputs are back
+            out = core.step_with_batch_queue()
+            if out is not None:
+                return out
+            if not core.batch_queue and not core.scheduler.has_unfinished_requests():
+                return EngineCoreOutputs(scheduler_stats=core.make_stats())
 
     def call_utility(self, method: str, *args):
         """The same allowed methods, and the same answer types (plain msgpack values:

@@ -30,7 +30,9 @@ Invariants every implementation keeps:
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 
@@ -38,6 +40,9 @@ class Executor(ABC):
     model_config: Any
     max_model_len: int
     bytes_per_block: int  # KV bytes of one block on one rank, all layers, K and V
+    # One thread runs the steps of asynchronous scheduling, in submission order
+    # (vLLM's `execute_model(..., non_block=True)`); created on first use.
+    _step_thread: ThreadPoolExecutor | None = None
 
     @abstractmethod
     def __init__(self, config, kv_connector=None) -> None:
@@ -59,6 +64,26 @@ class Executor(ABC):
     @abstractmethod
     def collective_rpc(self, method: str | Callable, *args) -> list:
         """Run a Worker method (by name) or fn(worker, *args) on every rank; results in rank order."""
+
+    def execute_model_async(self, scheduler_output) -> Future:
+        """Start one forward pass and return at once; the future gives
+        (ModelRunnerOutput, start, end) with time.monotonic() stamps. Steps run
+        one after the other in submission order, so a step always sees the
+        KV cache and runner state its predecessors left."""
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="execute_model")
+
+        def run():
+            t0 = time.monotonic()
+            out = self.execute_model(scheduler_output)
+            return out, t0, time.monotonic()
+
+        return self._step_thread.submit(run)
+
+    def shutdown_step_thread(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+            self._step_thread = None
 
     def check_health(self) -> None:
         """Raise if a worker is gone (nothing can fail with one in-process rank)."""

@@ -22,6 +22,13 @@ sampler reads). Invariants:
   row is constrained.
 An all-greedy batch without penalties, min_tokens or logprobs builds only the
 temperature tensor.
+
+`from_params` builds all of it from scratch, the readable reference. The
+engine's runner does not call it every step: its persistent batch keeps the
+parameters as columns (`sample/sampling_columns.py`) and rebuilds the
+metadata only when the rows that sample change, refreshing only the per-step
+fields (output_token_ids, min_tokens, token_bitmask) otherwise; both give the
+same metadata (tests/test_ch5_persistent_sampling.py).
 """
 from __future__ import annotations
 

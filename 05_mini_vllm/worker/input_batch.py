@@ -4,13 +4,17 @@ The runner learns a request once (`NewRequestData`) and afterwards only what
 changed (`CachedRequestData`: new blocks, new tokens, the computed count), so
 per-step work is proportional to the change, not to the batch (seed 001
 §4.6.2). State lives in preallocated numpy rows; a removed request's row is
-filled by moving the last row into it ("condense"), so active rows are
-always 0..num_reqs-1.
+filled by moving the last row into it (`condense`), so active rows are
+always 0..num_reqs-1. The sampling parameters are rows too
+(`sample/sampling_columns.py`, written once by `add_request`); a step's
+`SamplingMetadata` comes from `refresh_metadata`, rebuilt only when the rows
+that sample changed.
 
 Invariants:
 * `req_id_to_index` and `req_ids[:num_reqs]` are inverse maps;
-* row r holds `num_tokens[r]` known token ids (prompt + sampled), and its
-  first `num_blocks[r]` block-table entries, the rest -1;
+* row r holds `num_tokens[r]` known token ids (prompt + sampled), the first
+  `num_prompt_tokens[r]` of them the prompt, and its first `num_blocks[r]`
+  block-table entries, the rest -1; row r of `sampling` is the same request's;
 * `requests` keeps the state of every unfinished request the runner knows,
   including preempted ones that have no row (a swapped-out request comes back
   with a new block table but the same tokens and generator).
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mini_vllm.sample.metadata import SamplingMetadata
+from mini_vllm.sample.sampling_columns import SamplingColumns
 from mini_vllm.sampling_params import SamplingParams
 
 
@@ -48,15 +54,18 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+                 vocab_size: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.full((max_num_reqs, max_num_blocks_per_req), -1, dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
+        self.sampling = SamplingColumns(max_num_reqs, vocab_size)
 
     @property
     def num_reqs(self) -> int:
@@ -75,8 +84,10 @@ class InputBatch:
         n = len(state.token_ids)
         self.token_ids_cpu[row, :n] = state.token_ids
         self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
+        self.sampling.add_request(row, state.sampling_params, state.generator, state.eos_token_id)
         return row
 
     def set_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -99,13 +110,33 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return
+        self.sampling.remove_request(row)
+        self.condense(row)
+
+    def condense(self, hole: int) -> None:
+        """Move the last active row into the empty row `hole`. vLLM's `condense`
+        fills every hole of a step at once after all removals; here each removal
+        fills its own hole at once, so rows are 0..num_reqs-1 after every call."""
         last = self.num_reqs  # after the pop, the old last row index
-        if row != last:
+        if hole != last:
             moved = self.req_ids[last]
-            for arr in (self.token_ids_cpu, self.num_tokens, self.num_computed_tokens,
+            for arr in (self.token_ids_cpu, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                         self.block_table, self.num_blocks):
-                arr[row] = arr[last]
-            self.req_ids[row] = moved
-            self.req_id_to_index[moved] = row
+                arr[hole] = arr[last]
+            self.sampling.move_row(last, hole)
+            self.req_ids[hole] = moved
+            self.req_id_to_index[moved] = hole
         self.req_ids[last] = None
         self.block_table[last, :] = -1
+
+    def refresh_metadata(self, req_ids: list[str], output_token_ids: list[list[int]], device,
+                         token_bitmask: torch.Tensor | None = None) -> SamplingMetadata:
+        """The step's sampling metadata, row i for request req_ids[i] (the
+        requests that sample, in the step's order). Rebuilt from the sampling
+        columns only when these rows changed since the last call; otherwise the
+        previous object with this step's output tokens, min_tokens rows and
+        grammar bitmask. Equals `SamplingMetadata.from_params` over the same
+        requests (the from-scratch reference)."""
+        rows = [self.req_id_to_index[r] for r in req_ids]
+        return self.sampling.refresh_metadata(rows, self.token_ids_cpu, self.num_prompt_tokens,
+                                              output_token_ids, device, token_bitmask)

@@ -13,7 +13,9 @@ One `execute_model(scheduler_output)` call:
 4. runs the model once, computes logits only at the rows that sample
    (the last scheduled token of a request whose prompt is complete), plus
    every prompt row of a request that asked for prompt logprobs;
-5. samples and returns the tokens (and logprobs) per request; prompt
+5. samples (the sampling metadata come from the persistent batch's columns,
+   rebuilt only when the rows that sample change) and returns the tokens (and
+   logprobs) per request; prompt
    logprobs go back once, on the step that completes the prompt (vLLM's
    `_get_prompt_logprobs_dict`), so chunked prefill fills them piece by piece.
 Nothing here reads the scheduler's Request objects, so a tensor-parallel
@@ -38,15 +40,19 @@ from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
                  max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
-                 tokenizer_path: str | None = None, kv_connector=None, proposer=None) -> None:
+                 tokenizer_path: str | None = None, kv_connector=None, proposer=None,
+                 async_scheduling: bool = False) -> None:
         self.model, self.model_config = model, model_config
+        # Asynchronous scheduling: the next SchedulerOutput is built before the
+        # scheduler knows this step's tokens, so the runner appends them itself.
+        self.async_scheduling = async_scheduling
         self.cache_engine = cache_engine
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_blocks, model_config.vocab_size)
         self.sampler = Sampler(logprobs_mode)
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
@@ -195,6 +201,8 @@ class ModelRunner:
                     logits[spec_rows], [so.scheduled_spec_decode_tokens[r] for r in rids],
                     self._sampling_metadata([self.requests[r] for r in rids], logits.device))
                 sampled.update(zip(rids, emitted))
+        if self.async_scheduling:
+            self._append_sampled(sampled)
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = self._prompt_logprobs(hidden, req_ids, md) or None
@@ -202,13 +210,27 @@ class ModelRunner:
             mro.spec_token_ids = self._propose_drafts(sampled)
         return mro
 
+    def _append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Asynchronous scheduling: the next step computes the position of each
+        token sampled now (a placeholder to the scheduler, which counts it as
+        sent), so the runner appends it to the request's tokens itself. Steps
+        run in order, so the next step always finds it here."""
+        batch = self.input_batch
+        for rid, toks in sampled.items():
+            if toks:
+                self.requests[rid].token_ids.extend(toks)
+                row = batch.req_id_to_index.get(rid)
+                if row is not None:
+                    batch.append_token_ids(row, toks)
+
     def _sampling_metadata(self, states, device, token_bitmask=None) -> SamplingMetadata:
         """One row per request state: the same metadata for plain sampling and for
-        verifying drafts, so both apply one temperature / top-k / top-p."""
-        return SamplingMetadata.from_params(
-            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], [s.generator for s in states],
-            [s.eos_token_id for s in states], self.vocab_size, device, token_bitmask=token_bitmask)
+        verifying drafts, so both apply one temperature / top-k / top-p. Gathered
+        from the persistent batch's sampling columns, and only when these rows
+        changed (vLLM's `refresh_metadata`); `SamplingMetadata.from_params` over
+        the same states is the from-scratch equivalent."""
+        return self.input_batch.refresh_metadata([s.req_id for s in states], [s.output_token_ids for s in states],
+                                                 device, token_bitmask)
 
     def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
         states = [self.requests[r] for r in rids]

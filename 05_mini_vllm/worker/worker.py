@@ -119,7 +119,8 @@ class Worker:
                                         max_num_seqs, self.max_model_len, self.device,
                                         logprobs_mode=cfg.logprobs_mode,
                                         tokenizer_path=cfg.tokenizer or cfg.model,
-                                        kv_connector=self.kv_connector, proposer=proposer)
+                                        kv_connector=self.kv_connector, proposer=proposer,
+                                        async_scheduling=cfg.async_scheduling)
 
     def _make_proposer(self, spec, num_blocks: int):
         from mini_vllm.speculative.proposers import DraftModelProposer, NgramProposer

@@ -1,0 +1,170 @@
+"""Asynchronous scheduling (vLLM's `async_scheduling`, seed 001 §4.6.1): the core
+schedules step N + 1 before step N's tokens are back, with a placeholder for
+each token in flight, and must give exactly the tokens of synchronous
+scheduling: greedy and seeded, through batching, chunked prefill, prefix
+caching, recompute and swap preemption, stop tokens, stop strings, n > 1,
+penalties, logprobs, structured outputs and aborts; with the core in this
+process and in its own.
+
+Oracle: the same requests on the same engine settings with
+async_scheduling=False. No assertion depends on how fast anything runs: the
+overlap is checked from the order of the core's own timestamps (step N + 1
+was scheduled before step N's update), which the batch queue fixes by
+construction."""
+import pytest
+
+from engine_utils import assert_pool_full, make_llm
+from mini_vllm import SamplingParams
+from mini_vllm.sampling_params import StructuredOutputsParams
+
+PROMPTS = [list(range(300 + 7 * i, 330 + 11 * i)) for i in range(6)]
+
+
+def _params():
+    return [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=9, n=3),
+            SamplingParams(max_tokens=28, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                           stop=["\n\n"], min_tokens=4),
+            SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(
+                choice=["alpha", "beta", "gamma delta"])),
+            SamplingParams(max_tokens=40, temperature=0.7, seed=11, frequency_penalty=0.4)]
+
+
+def _summary(outs):
+    return [[(c.token_ids, c.text, c.finish_reason,
+              None if c.logprobs is None else [sorted((t, round(lp.logprob, 4)) for t, lp in d.items())
+                                               for d in c.logprobs]) for c in o.outputs] for o in outs]
+
+
+def _run(async_scheduling, multiprocess_mode=False, **kw):
+    llm = make_llm(async_scheduling=async_scheduling, multiprocess_mode=multiprocess_mode, **kw)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+        assert_pool_full(llm)
+        return _summary(outs), llm
+    finally:
+        if multiprocess_mode:
+            llm.shutdown()
+
+
+VARIANTS = {
+    "plain": dict(block_size=16),
+    "chunked": dict(block_size=8, max_num_batched_tokens=24, max_model_len=128),
+    "recompute": dict(block_size=8, max_model_len=128, num_gpu_blocks_override=14),
+    "swap": dict(block_size=8, max_model_len=128, num_gpu_blocks_override=14, preemption_mode="swap",
+                 num_cpu_blocks=64),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_async_scheduling_gives_the_synchronous_tokens(variant):
+    kw = VARIANTS[variant]
+    want, _ = _run(False, **kw)
+    got, llm = _run(True, **kw)
+    assert got == want, (f"{variant}: asynchronous scheduling changed the outputs (a placeholder never "
+                         "replaced, a token dropped for a request preempted while its step was in flight, "
+                         "or a block cached with a token not yet known)")
+    if variant in ("recompute", "swap"):
+        n = llm.llm_engine.engine_core.call_utility("make_stats")["num_preemptions"]
+        assert n > 0, f"{variant}: the tiny KV cache never preempted, so preemption was not tested"
+
+
+def test_async_scheduling_in_the_core_process():
+    want, _ = _run(False, **VARIANTS["recompute"])
+    got, _ = _run(True, multiprocess_mode=True, **VARIANTS["recompute"])
+    assert got == want, "the core process with asynchronous scheduling changed the outputs"
+
+
+def test_prefix_hits_under_async_scheduling_read_only_known_tokens():
+    """Multi-turn: each turn's prompt is the previous prompt + its output + a new
+    message, so it should find the previous output's full blocks in the prefix
+    cache. Under asynchronous scheduling a block's last token may still be in
+    flight when the block fills: it is hashed once the token is known (in the
+    update that brings it, since a request finishing then is never allocated
+    for again), and never before (the hash covers known tokens only)."""
+    def run(async_scheduling):
+        llm = make_llm(block_size=8, max_model_len=256, async_scheduling=async_scheduling)
+        sp = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+        prompts, outs = [list(range(500, 540)), list(range(600, 613))], []
+        for turn in range(3):
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], [sp] * len(prompts), use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in res])
+            prompts = [p + o.outputs[0].token_ids + [5 + turn, 6] for p, o in zip(prompts, res)]
+        stats = llm.llm_engine.engine_core.call_utility("make_stats")
+        assert_pool_full(llm)
+        return outs, stats["prefix_cache_hits"]
+
+    want, hits_sync = run(False)
+    got, hits_async = run(True)
+    assert hits_sync > 0, "no prefix-cache hit: the test did not exercise cached blocks"
+    assert got == want, "a prefix hit under asynchronous scheduling read KV of a token that was not known"
+    assert hits_async == hits_sync, (
+        f"asynchronous scheduling found {hits_async} cached prompt tokens, synchronous {hits_sync}: a block "
+        "completed by a token that was in flight was never hashed (cached only at a next allocation that a "
+        "finishing request never gets)")
+
+
+def test_the_next_step_is_scheduled_before_the_last_one_is_back():
+    """The point of it: with asynchronous scheduling the core schedules step N + 1
+    before it updates from step N (the core's own timestamps, in order); without
+    it, never."""
+    def stamps(async_scheduling):
+        llm = make_llm(block_size=16, async_scheduling=async_scheduling)
+        eng = llm.llm_engine
+        for i, p in enumerate(PROMPTS[:3]):
+            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=16, temperature=0,
+                                                                            ignore_eos=True))
+        got = []
+        get = eng.engine_core.get_output
+
+        def get_output():
+            res = get()
+            got.append(res.timestamps)
+            return res
+
+        eng.engine_core.get_output = get_output
+        while eng.has_unfinished_requests():
+            eng.step()
+        return [t for t in got if t]
+
+    sync, asyn = stamps(False), stamps(True)
+    ahead = sum(1 for a, b in zip(asyn, asyn[1:]) if b["scheduled"] < a["updated"])
+    assert ahead >= len(asyn) // 2, (f"only {ahead} of {len(asyn) - 1} steps were scheduled before the previous "
+                                     "step's update: the batch queue does not schedule ahead")
+    assert not any(b["scheduled"] < a["updated"] for a, b in zip(sync, sync[1:])), \
+        "synchronous scheduling scheduled a step before the previous one was back"
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything():
+    llm = make_llm(block_size=8, max_model_len=128, async_scheduling=True)
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:4]):
+        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    for _ in range(5):
+        eng.step()
+    core = eng.engine_core.engine_core
+    assert core.batch_queue, "no batch in flight: the abort would not race a step"
+    eng.abort_request(["0", "2"])
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert sorted(done) == ["1", "3"], f"aborted requests came back, or others were lost: {sorted(done)}"
+    ref = make_llm(block_size=8, max_model_len=128)
+    want = ref.generate([{"prompt_token_ids": PROMPTS[i]} for i in (1, 3)], [sp, sp], use_tqdm=False)
+    assert [done["1"], done["3"]] == [o.outputs[0].token_ids for o in want], \
+        "an abort during an in-flight step changed the other requests' tokens"
+    while core.batch_queue:  # drain the wasted steps of the aborted requests
+        eng.engine_core.get_output()
+    assert_pool_full(llm)
+    assert all(r.num_output_placeholders == 0 for r in core.scheduler.requests.values())
+
+
+def test_async_scheduling_refuses_what_it_cannot_do():
+    for kw, field in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                       "speculative_config"), (dict(tensor_parallel_size=2), "tensor_parallel_size")):
+        with pytest.raises(ValueError, match=field):
+            make_llm(async_scheduling=True, **kw)
