@@ -182,7 +182,10 @@ class StepState:
         if len(s.running) >= cfg.max_num_seqs or self.budget <= 0:
             return False
         if req.num_output_placeholders:
-            return False  # preempted with a token in flight: resume once it is known
+            # Preempted with a token in flight: resume once it is known. With the core's
+            # queue of two the update always comes before the next schedule; this keeps
+            # a deeper queue from computing a position whose token the runner lacks.
+            return False
         swapped = bool(req.swapped_cpu_block_ids)
         n_ext = 0  # Chapter 6: tokens a KV connector loads beyond the local prefix hit
         if swapped:
