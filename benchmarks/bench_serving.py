@@ -27,7 +27,7 @@ ratio is printed) and by vLLM's own client, `vllm bench serve` (random dataset,
 throughputs). vLLM's client runs unchanged against `python -m mini_vllm serve`.
 
 Run: .venv/bin/python benchmarks/bench_serving.py [--rates 2 8 32] [--num-requests 48]
-     [--threads 1] [--servers mini,vllm] [--vllm-bench-rates 4 16 inf]
+     [--threads 1] [--servers mini,vllm] [--vllm-bench-rates 4 16 inf] [--mini-async-scheduling]
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def free_port() -> int:
 
 
 def start_server(threads: int, kv_bytes: int, which: str = "mini", max_num_seqs: int = 128,
-                 log=None) -> tuple[subprocess.Popen, str]:
+                 log=None, mini_flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`python -m mini_vllm serve` or `vllm serve` on the tiny target, pinned to the first
     `threads` cores, with equal settings; returns (process, base URL) once /health answers."""
     port, cores = free_port(), cpu_list(threads)
@@ -69,7 +69,7 @@ def start_server(threads: int, kv_bytes: int, which: str = "mini", max_num_seqs:
     if which == "mini":
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, "-m", "mini_vllm", "serve", model, "--device", "cpu", "--log-level", "warning",
-               "--dtype", "float32", *common]
+               "--dtype", "float32", *common, *mini_flags]
     else:
         env = dict(_env(threads, in_process=False), VLLM_CPU_OMP_THREADS_BIND=cores)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="cores each server is pinned to")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     ap.add_argument("--servers", default="mini,vllm", help="mini, vllm or both (vllm needs `make vllm`)")
+    ap.add_argument("--mini-async-scheduling", action="store_true",
+                    help="run the course's server with --async-scheduling (vLLM schedules asynchronously by default)")
     ap.add_argument("--vllm-bench-rates", nargs="*", default=["4", "16", "inf"],
                     help="rates for `vllm bench serve` (none: skip it)")
     ap.add_argument("--vllm-bench-num-prompts", type=int, default=100)
@@ -233,13 +235,15 @@ def main() -> None:
         servers = [s for s in servers if s != "vllm"]
     print(f"{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, tiny target on CPU, each server pinned to "
-          f"{args.threads} core(s), {args.kv_cache_memory_bytes >> 20} MiB KV cache")
+          f"{args.threads} core(s), {args.kv_cache_memory_bytes >> 20} MiB KV cache"
+          + (", mini-vLLM with --async-scheduling" if args.mini_async_scheduling else ""))
     rows, texts, bench = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for which in servers:
             log = open(os.path.join(tmp, f"{which}.log"), "w")
             proc, url = ((None, args.base_url) if args.base_url else
-                         start_server(args.threads, args.kv_cache_memory_bytes, which, log=log))
+                         start_server(args.threads, args.kv_cache_memory_bytes, which, log=log,
+                                      mini_flags=("--async-scheduling",) if args.mini_async_scheduling else ()))
             try:
                 rows[which], texts[which] = client_runs(url, reqs, args.rates, args.seed)
                 if vllm_python() is not None:

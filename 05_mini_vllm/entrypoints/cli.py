@@ -27,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) that split every layer")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while this one runs (placeholders for tokens in flight)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +68,7 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
 
 
 def _generate(args) -> int:
