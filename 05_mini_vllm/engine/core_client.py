@@ -41,7 +41,8 @@ import zmq
 
 from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady, EngineCoreRequest,
                               EngineCoreRequestType, UtilityOutput)
-from mini_vllm.engine.core import UTILITY_METHODS, EngineCore, EngineCoreProc, report_dead, run_engine_core
+from mini_vllm.engine.core import UTILITY_METHODS, EngineCore
+from mini_vllm.engine.core_proc import EngineCoreProc, report_dead, run_engine_core
 from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
