@@ -27,8 +27,14 @@ prints how much *work* each static batch size does per unit of useful work
 per decoded token): at equal speed per unit of work, these ratios bound what
 continuous batching alone can gain over static batching. Goal against HF: >= 3x.
 
+Execution modes (`--modes`, comma-separated; each timed in the same interleaved
+runs): `process` (the default: the engine core in its own process), `inproc`
+(MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0: one process, one step per `step()`),
+and `process-async` / `inproc-async` (asynchronous scheduling on top).
+
 Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--threads 1,2] [--runs 3]
      [--num-requests 256] [--hf-batch-sizes 1,8,32] [--skip-baselines] [--no-vllm]
+     [--modes process,inproc,process-async,inproc-async]
 """
 from __future__ import annotations
 
@@ -78,9 +84,15 @@ def summary(times: list[float], useful: int) -> str:
             f"spread {max(times) / min(times):.2f}x")
 
 
-def side_by_side(reqs, threads: int, runs: int, llm) -> float:
-    """Interleaved timed runs of both engines on `threads` pinned cores; returns the ratio of
-    medians (mini-vLLM / vLLM output tok/s). Exits without timing if the tokens differ."""
+MODES = {"process": dict(multiprocess_mode=True), "inproc": dict(multiprocess_mode=False),
+         "process-async": dict(multiprocess_mode=True, async_scheduling=True),
+         "inproc-async": dict(multiprocess_mode=False, async_scheduling=True)}
+
+
+def side_by_side(reqs, threads: int, runs: int, llms: dict) -> float:
+    """Interleaved timed runs of vLLM and of the engine in each mode (`llms`: mode -> LLM) on
+    `threads` pinned cores; returns the ratio of medians (mini-vLLM / vLLM output tok/s) of
+    the first mode. Exits without timing if the tokens differ."""
     useful = sum(m for _, m in reqs)
     model = str(model_path("tiny-py-target"))
     with VllmSession(vllm_job(model, [], threads=threads, **SETTINGS)) as vs:
@@ -93,20 +105,22 @@ def side_by_side(reqs, threads: int, runs: int, llm) -> float:
             raise SystemExit("tokens differ from vLLM, not timing:\n" + "\n".join(problems[:5]))
         print(f"  greedy tokens of {len(check['requests'])} requests equal vLLM's ({compared}/{total} positions "
               "compared, the rest after vLLM near-ties): timing")
-        t_v, t_m, same = [], [], []
+        t_v, t_m, same = [], {m: [] for m in llms}, {m: [] for m in llms}
         for r in range(runs):
             time.sleep(SETTLE_S)
             res = vs.run(phase(f"run{r}", reqs))
             t_v.append(res["wall_s"])
-            time.sleep(SETTLE_S)
-            t, toks = engine_run(reqs, llm)
-            t_m.append(t)
-            same.append(sum(o["outputs"][0]["token_ids"] == g for o, g in zip(res["results"], toks)))
-    print(f"  vLLM       {summary(t_v, useful)}")
-    print(f"  mini-vLLM  {summary(t_m, useful)}")
-    print(f"  identical requests per run: {same} of {len(reqs)}")
-    ratio = statistics.median(t_v) / statistics.median(t_m)
-    print(f"  mini-vLLM / vLLM output tok/s (medians): {ratio:.2f}x")
+            for mode, llm in llms.items():
+                time.sleep(SETTLE_S)
+                t, toks = engine_run(reqs, llm)
+                t_m[mode].append(t)
+                same[mode].append(sum(o["outputs"][0]["token_ids"] == g for o, g in zip(res["results"], toks)))
+    print(f"  vLLM                     {summary(t_v, useful)}")
+    for mode in llms:
+        print(f"  mini-vLLM {mode:<14} {summary(t_m[mode], useful)}  identical requests per run: "
+              f"{same[mode]} of {len(reqs)}  / vLLM: {statistics.median(t_v) / statistics.median(t_m[mode]):.2f}x")
+    ratio = statistics.median(t_v) / statistics.median(t_m[next(iter(llms))])
+    print(f"  mini-vLLM ({next(iter(llms))}) / vLLM output tok/s (medians): {ratio:.2f}x")
     return ratio
 
 
@@ -184,7 +198,12 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
     ap.add_argument("--skip-baselines", action="store_true", help="no HF / max_num_seqs=1 rows")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--modes", default="process", help=f"comma-separated, of {list(MODES)}")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
     threads = [int(x) for x in args.threads.split(",")]
     hf_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
     reqs = sample_requests(args.num_requests, (16, 512), (16, 256), seed=0)
@@ -202,14 +221,17 @@ def main() -> None:
     for i, n in enumerate(threads):
         pin(n)
         print(f"\n== {n} thread(s), pinned to cores {sorted(__import__('os').sched_getaffinity(0))}")
-        llm = LLM(str(model_path("tiny-py-target")), dtype="float32", **SETTINGS)
-        engine_run(reqs[:16], llm)  # warm-up
+        llms = {m: LLM(str(model_path("tiny-py-target")), dtype="float32", **SETTINGS, **MODES[m]) for m in modes}
+        for llm in llms.values():
+            engine_run(reqs[:16], llm)  # warm-up
+        llm = llms[modes[0]]
         if use_vllm:
-            ratios[n] = side_by_side(reqs, n, args.runs, llm)
+            ratios[n] = side_by_side(reqs, n, args.runs, llms)
         if i == 0 and not args.skip_baselines:
             t_eng, toks = engine_run(reqs, llm)
             baselines(reqs, t_eng, toks, hf_sizes)
-        llm.shutdown()
+        for llm in llms.values():
+            llm.shutdown()
     if ratios:
         print("\nmini-vLLM / vLLM output tok/s: " + ", ".join(f"{r:.2f}x at {n} thread(s)" for n, r in ratios.items()))
 
