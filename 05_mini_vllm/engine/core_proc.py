@@ -71,6 +71,7 @@ class EngineCoreProc(EngineCore):
         self.output_queue.put((EngineCoreOutputType.READY, self.ready_info()))
         while True:
             block = not self.scheduler.has_unfinished_requests() and not self.batch_queue
+            aborted = False
             while True:
                 try:
                     kind, payload = self.input_queue.get(block=block)
@@ -80,10 +81,17 @@ class EngineCoreProc(EngineCore):
                 if kind == EngineCoreRequestType.SHUTDOWN:
                     return
                 self._handle_client_request(kind, payload)
+                aborted |= kind == EngineCoreRequestType.ABORT
             if self.scheduler.has_unfinished_requests() or self.batch_queue:
                 out = self.step() if self.batch_queue is None else self.step_with_batch_queue()
                 if out is not None:
                     self.output_queue.put((EngineCoreOutputType.OUTPUTS, out))
+            elif aborted:
+                # Aborts emptied the scheduler and no step will report it: send the
+                # stats alone, so that the front end's gauges (running, waiting, KV
+                # usage) do not keep showing the aborted requests.
+                self.output_queue.put((EngineCoreOutputType.OUTPUTS,
+                                       EngineCoreOutputs(scheduler_stats=self.make_stats())))
 
     def _handle_client_request(self, kind, payload) -> None:
         if kind == EngineCoreRequestType.ADD:
