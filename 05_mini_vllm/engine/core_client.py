@@ -161,12 +161,15 @@ def _receive(client_ref, sock, stop: threading.Event) -> None:
         sock.close(linger=0)
 
 
-def _monitor(client_ref, proc, stop: threading.Event) -> None:
+def _monitor(client_ref, proc, stop: threading.Event, receiver: threading.Thread) -> None:
     """The process may die without a word (SIGKILL, the OOM killer)."""
     from multiprocessing.connection import wait
 
     wait([proc.sentinel])
     proc.join(5)  # reap it: the exit status is known only then
+    # A core that died of an error sent DEAD with the cause before it exited: let the
+    # receiver deliver it (it stops after DEAD) rather than report a bare exit status.
+    receiver.join(2.0)
     client = client_ref()
     if client is not None and not stop.is_set():
         client._died(EngineDeadError(f"the engine core process (pid {proc.pid}) exited with status "
@@ -195,6 +198,7 @@ class MPClient:
         self._ids = itertools.count()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._dead: EngineDeadError | None = None
+        self._dead_lock = threading.Lock()  # the receiver and the monitor may both report a death
         self._stop = threading.Event()
         self.proc: multiprocessing.process.BaseProcess | None = None
         self._core_box: list[EngineCoreProc] = []  # in_thread: the core, once built
@@ -228,8 +232,8 @@ class MPClient:
         self._threads.append(self._receiver)
         self._receiver.start()
         if self.proc is not None:
-            threading.Thread(target=_monitor, args=(me, self.proc, self._stop), name="EngineCoreMonitor",
-                             daemon=True).start()
+            threading.Thread(target=_monitor, args=(me, self.proc, self._stop, self._receiver),
+                             name="EngineCoreMonitor", daemon=True).start()
 
     # --------------------------------------------------------------- startup
     def _handshake(self, sock) -> EngineCoreReady:
@@ -250,9 +254,10 @@ class MPClient:
         return self._core_box[0] if self._core_box else None
 
     def _died(self, err: EngineDeadError) -> None:
-        if self._dead is not None:
-            return
-        self._dead = err
+        with self._dead_lock:
+            if self._dead is not None:
+                return
+            self._dead = err
         logger.error("%s", err)
         for fut in list(self._pending.values()):
             if not fut.done():
