@@ -193,7 +193,9 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
     finally:
         if core is not None:
             core.close()
-        ctx.destroy(linger=0)
+        # Not linger=0: that would drop a DEAD message still in the socket's queue, and
+        # the front end would learn only an exit status instead of the cause.
+        ctx.destroy(linger=2000)
     os._exit(status)  # skip torch's interpreter teardown; nothing is left to flush
 
 
