@@ -42,29 +42,40 @@ async def _stream(http, i, lines, in_flight):
                     in_flight.set()
 
 
+async def _load_then(http, kill):
+    """N_STREAMS streams and N_WHOLE whole requests, all seen in flight; then
+    `await kill(http)` (its result is returned); then /health probed until the
+    server is gone, and every stream read to its end. Returns (stream lines,
+    whole responses, kill's result, /health codes)."""
+    lines = [[] for _ in range(N_STREAMS)]
+    in_flight = [asyncio.Event() for _ in range(N_STREAMS)]
+    streams = [asyncio.create_task(_stream(http, i, lines[i], in_flight[i])) for i in range(N_STREAMS)]
+    whole = [asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": f"x{i} ="}))
+             for i in range(N_WHOLE)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in in_flight)), 60)
+    await wait_running(http, N_STREAMS + N_WHOLE)
+    killed = await kill(http)
+    health_after = []
+    for _ in range(50):  # until the server is gone (it answers at once while it is up)
+        try:
+            health_after.append((await http.get("/health")).status_code)
+        except httpx.HTTPError:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    return lines, [await w for w in whole], killed, health_after
+
+
 def test_engine_death_under_streaming_load_errors_every_request_and_exits_nonzero():
     s = Server("--timeout-graceful-shutdown", "10", fault=f"raise-on-marker,step-floor:{STEP_FLOOR_S}")
     try:
+        async def send_marker(http):
+            return await http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": FAULT_MARKER,
+                                                            "max_tokens": 2})
+
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
-                lines = [[] for _ in range(N_STREAMS)]
-                in_flight = [asyncio.Event() for _ in range(N_STREAMS)]
-                streams = [asyncio.create_task(_stream(http, i, lines[i], in_flight[i])) for i in range(N_STREAMS)]
-                whole = [asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": f"x{i} ="}))
-                         for i in range(N_WHOLE)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in in_flight)), 60)
-                await wait_running(http, N_STREAMS + N_WHOLE)
-                marker = await http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": FAULT_MARKER,
-                                                                   "max_tokens": 2})
-                health_after = []
-                for _ in range(50):  # until the server is gone (it answers at once while it is up)
-                    try:
-                        health_after.append((await http.get("/health")).status_code)
-                    except httpx.HTTPError:
-                        break
-                    await asyncio.sleep(0.05)
-                await asyncio.wait_for(asyncio.gather(*streams), 60)
-                return lines, [await w for w in whole], marker, health_after
+                return await _load_then(http, send_marker)
 
         lines, whole, marker, health_after = asyncio.run(main())
         try:
@@ -131,27 +142,14 @@ def test_core_process_killed_under_streaming_load_ends_every_request_and_the_ser
     try:
         core = engine_core_pid(s.proc.pid)
 
+        async def kill_core(http):
+            os.kill(core, signal.SIGKILL)
+
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
-                lines = [[] for _ in range(N_STREAMS)]
-                in_flight = [asyncio.Event() for _ in range(N_STREAMS)]
-                streams = [asyncio.create_task(_stream(http, i, lines[i], in_flight[i])) for i in range(N_STREAMS)]
-                whole = [asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": f"x{i} ="}))
-                         for i in range(N_WHOLE)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in in_flight)), 60)
-                await wait_running(http, N_STREAMS + N_WHOLE)
-                os.kill(core, signal.SIGKILL)
-                health_after = []
-                for _ in range(50):
-                    try:
-                        health_after.append((await http.get("/health")).status_code)
-                    except httpx.HTTPError:
-                        break
-                    await asyncio.sleep(0.05)
-                await asyncio.wait_for(asyncio.gather(*streams), 60)
-                return lines, [await w for w in whole], health_after
+                return await _load_then(http, kill_core)
 
-        lines, whole, health_after = asyncio.run(main())
+        lines, whole, _, health_after = asyncio.run(main())
         try:
             rc = s.proc.wait(30)
         except subprocess.TimeoutExpired:
