@@ -83,6 +83,11 @@ class EngineConfig:
     # while step N runs, with a placeholder for each token in flight. Off by
     # default here; it needs one rank, no speculative decoding and no KV connector.
     async_scheduling: bool = False
+    # vLLM's --compilation-config / -O and --enforce-eager (`compilation/config.py`):
+    # torch.compile of the forward and CUDA graphs. Resolved for the device below
+    # into `compilation` (a CompilationConfig with every default filled in).
+    compilation_config: dict | int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
@@ -102,6 +107,20 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        from mini_vllm.compilation.config import CompilationConfig
+
+        self.compilation = CompilationConfig.from_any(self.compilation_config).resolve(
+            torch.device(self.device).type, self.max_num_seqs if isinstance(self.max_num_seqs, int) else 1,
+            self.enforce_eager)
+        if self.tensor_parallel_size > 1 and self.compilation.cudagraph_mode.name != "NONE":
+            # Each rank would capture its collectives in its own graphs; not built here.
+            explicit = isinstance(self.compilation_config, dict) and "cudagraph_mode" in self.compilation_config
+            if explicit:
+                raise ValueError("compilation_config.cudagraph_mode must be NONE when tensor_parallel_size > 1, "
+                                 f"got {self.compilation.cudagraph_mode.name}")
+            self.compilation.cudagraph_mode = type(self.compilation.cudagraph_mode).NONE
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.async_scheduling:

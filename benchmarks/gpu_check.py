@@ -14,6 +14,8 @@ versions in `gpu_check_parts/environment.py`, checked first) and imports
   throughput    a random Qwen3-0.6B-shaped bf16 checkpoint on nano-vllm's workload:
                 engine vs HF generate (static batches, continuous batching), greedy check
   attention_bw  decode attention bytes/s against the device's peak
+  cudagraphs    eager vs FULL vs PIECEWISE vs FULL_AND_PIECEWISE: start-up, decode step
+                wall vs busy time, tokens against the eager engine's
   step_profile  torch.profiler: device-busy vs wall time per decode step, batch 1/8/64/256
   memory        gpu_memory_utilization sizing: blocks chosen, memory left at the peak
 
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from gpu_check_parts import environment
 
-SECTIONS = ("cuda_tests", "throughput", "attention_bw", "step_profile", "memory")
+SECTIONS = ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "step_profile", "memory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes: seconds on a CPU (the script's own test)")
     ap.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="fit the full plan into this many seconds (a short device lease): one HF batch per size, "
+                         "the pytest subset last with the time left; the report is rewritten after every section")
     args = ap.parse_args(argv)
     if args.device == "cpu" and not args.small:
         ap.error("--device cpu needs --small: the full plan (a 0.6B model, 256 long requests) takes hours on a CPU")
@@ -80,10 +85,24 @@ def checks(sections: dict) -> list[dict]:
         out.append({"name": "greedy tokens agree with HF (tie-aware, first requests)", "ok": tp["greedy_check"]["ok"]})
         out.append({"name": "every request got exactly max_tokens",
                     "ok": not tp["engine"]["requests_with_wrong_length"]})
+    cg = s.get("cudagraphs", {})
+    if cg.get("status") == "ok":
+        out.append({"name": "every CUDA graph mode started and ran",
+                    "ok": all(r.get("status") == "ok" for r in cg["rows"])})
+        out.append({"name": "FULL CUDA graphs: greedy tokens identical to enforce_eager", "ok": cg["full_identical"]})
     mem = s.get("memory", {})
     if mem.get("status") == "ok":
         out.append({"name": "KV cache sizing stayed within its budget", "ok": bool(mem["within_utilization"])})
     return out
+
+
+def _write(out: Path, report: dict, start: float, device: str) -> None:
+    from gpu_check_parts import report as rep
+
+    report["meta"]["seconds"] = time.monotonic() - start
+    report["checks"] = checks(report["sections"])
+    report["goals"] = rep.goals(report["sections"], device)
+    rep.write(out, report)
 
 
 def main(argv=None) -> int:
@@ -91,6 +110,8 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before any mini_vllm import
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The engine core in this process: the sections read its scheduler and executor directly.
+    os.environ.setdefault("MINI_VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     environment.use_source_tree()
     versions = environment.installed_versions()
@@ -104,10 +125,11 @@ def main(argv=None) -> int:
         print("gpu-check: --device cuda but torch.cuda.is_available() is False "
               f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})", file=sys.stderr)
         return 2
-    from gpu_check_parts import attention_bw, checkpoint, cuda_tests, memory, step_profile, throughput
+    from gpu_check_parts import attention_bw, checkpoint, cuda_tests, cudagraphs, memory, step_profile, throughput
     from gpu_check_parts.plan import free_device_memory, make_plan
 
-    plan = make_plan(args.device, args.small)
+    plan = make_plan(args.device, args.small, args.budget_s)
+    order = SECTIONS[1:] + SECTIONS[:1] if args.budget_s is not None else SECTIONS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     info = environment.device_info(args.device)
@@ -120,23 +142,26 @@ def main(argv=None) -> int:
         report["meta"]["checkpoint"] = checkpoint.write_checkpoint(model_dir, args.small, args.device)
         vocab = report["meta"]["checkpoint"]["vocab_size"]
         free_device_memory(args.device)
-        runs = {"cuda_tests": lambda: cuda_tests.run(args.out, args.device, args.small, plan.tests_timeout_s),
+        def tests_timeout() -> float:  # in a budgeted run, the tests get what the other sections left
+            if args.budget_s is None:
+                return plan.tests_timeout_s
+            return max(30.0, min(plan.tests_timeout_s, args.budget_s - 20.0 - (time.monotonic() - start)))
+
+        runs = {"cuda_tests": lambda: cuda_tests.run(args.out, args.device, args.small, tests_timeout(),
+                                                     engine_first=args.budget_s is not None),
                 "throughput": lambda: throughput.run(str(model_dir), plan),
+                "cudagraphs": lambda: cudagraphs.run(str(model_dir), plan, vocab),
                 "attention_bw": lambda: attention_bw.run(plan, info["name"]),
                 "step_profile": lambda: step_profile.run(str(model_dir), plan, vocab),
                 "memory": lambda: memory.run(str(model_dir), plan, vocab)}
-        for name in SECTIONS:
+        for name in order:
             if args.only and name not in args.only:
                 report["sections"][name] = {"status": "skipped: not selected", "seconds": 0.0}
                 continue
             _section(name, runs[name], report, start, plan.deadline_s)
             free_device_memory(args.device)
-    from gpu_check_parts import report as rep
-
-    report["meta"]["seconds"] = time.monotonic() - start
-    report["checks"] = checks(report["sections"])
-    report["goals"] = rep.goals(report["sections"], args.device)
-    rep.write(args.out, report)
+            _write(args.out, report, start, args.device)  # a run cut short still leaves its report
+    _write(args.out, report, start, args.device)
     ok = all(c["ok"] for c in report["checks"])
     print(f"gpu-check: {'all checks passed' if ok else 'FAILED'}; report in {args.out}/report.md", flush=True)
     return 0 if ok else 1

@@ -210,3 +210,14 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqle
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode=False)
+
+
+def paged_attention_unchecked(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                              decode: bool):
+    """The launch alone, for a caller that validated the step's metadata once
+    (the engine's `AttentionMetadata.validate`, run before the first layer):
+    no host read-back, so the 28 layers of a step queue their kernels without
+    waiting for the GPU, and the call can be captured in a CUDA graph.
+    `decode=True` needs one query per sequence (cu_seqlens_q is then unused)."""
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, None if decode else cu_seqlens_q,
+                   scale, decode=decode)

@@ -49,8 +49,15 @@ def _reshape_and_cache_kernel(
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """key, value [num_tokens, num_kv_heads, head_dim] -> key_cache, value_cache
     [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping; in place."""
-    _, block_size, num_kv_heads, head_dim = check_reshape_and_cache_args(
-        key, value, key_cache, value_cache, slot_mapping)
+    check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache_unchecked(key, value, key_cache, value_cache, slot_mapping)
+
+
+def reshape_and_cache_unchecked(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The launch alone (no host read-back of slot_mapping's range): for a caller
+    that checked the step's slots once (`AttentionMetadata.validate`); capturable
+    in a CUDA graph. Slot -1 rows (padding) write nothing."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return

@@ -12,6 +12,8 @@ INPUTS = ["tests/test_ch5_prepare_inputs.py"]
 FILTERS = ["tests/test_ch5_sampler_filters.py"]
 API = ["tests/test_ch5_engine_api.py"]
 ASYNC = "tests/test_ch5_async_scheduling.py"
+GRAPHS = "05_mini_vllm/worker/cudagraph_dispatcher.py"
+GRAPH_TESTS = ["tests/test_ch5_cudagraph_padding.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -154,5 +156,29 @@ MUTANTS: list[Mutant] = [
         new="",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
         why="the runner waits for the scheduler to send tokens it sampled itself: the next step reads a stale input",
+    ),
+    Mutant(
+        name="capture_size_not_padded_to",
+        path=GRAPHS,
+        old="padded = self.config.padded_size(num_tokens)",
+        new="padded = num_tokens if self.config.padded_size(num_tokens) else None",
+        tests=GRAPH_TESTS,
+        why="a graph step runs at its own token count instead of the capture size it pads to: no graph exists for it",
+    ),
+    Mutant(
+        name="static_buffer_reallocated_after_capture",
+        path=GRAPHS,
+        old="self.input_ids[:n].copy_(input_ids, non_blocking=True)",
+        new="self.input_ids = torch.zeros_like(self.input_ids); self.input_ids[:n].copy_(input_ids)",
+        tests=GRAPH_TESTS,
+        why="the step's ids go into a new buffer: a replay would read the captured (stale) address",
+    ),
+    Mutant(
+        name="padded_row_writes_a_real_slot",
+        path=GRAPHS,
+        old="self.slot_mapping[n:padded].fill_(-1)",
+        new="self.slot_mapping[n:padded].fill_(0)",
+        tests=GRAPH_TESTS,
+        why="padded rows write their garbage K/V into slot 0, a real token's slot",
     ),
 ]

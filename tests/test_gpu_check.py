@@ -41,11 +41,18 @@ def test_small_cpu_run_fills_every_section(report):
     out, r = report
     plan = make_plan("cpu", small=True)
     assert {n: v["status"] for n, v in r["sections"].items()} == {n: "ok" for n in
-        ("cuda_tests", "throughput", "attention_bw", "step_profile", "memory")}, "a section did not run"
+        ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "step_profile", "memory")}, "a section did not run"
     assert r["checks"] and all(c["ok"] for c in r["checks"]), f"a correctness check failed: {r['checks']}"
     t = r["sections"]["cuda_tests"]
     assert t["tests"] > 0 and t["passed"] == t["tests"] and (out / t["log"]).exists(), \
         "the pytest subset ran nothing, or its JUnit counts were misread"
+
+    cg = r["sections"]["cudagraphs"]
+    assert [row["mode"] for row in cg["rows"]] == ["eager", "FULL", "PIECEWISE", "FULL_AND_PIECEWISE"] and all(
+        row["status"] == "ok" and len(row["profile"]) == len(plan.profile_batches) for row in cg["rows"]), \
+        "every graph mode must start, profile each batch size and run the workload"
+    assert cg["full_identical"] and cg["rows"][1]["capture_sizes"] > 0, \
+        "FULL graphs (padded inputs, the eager kernels) must give the eager tokens"
 
     tp = r["sections"]["throughput"]
     assert tp["engine"]["output_tokens"] == tp["workload"]["output_tokens"] > 0, \
@@ -149,3 +156,13 @@ def test_cpu_without_small_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--out", "x", "--device", "cpu"])
     assert "--device cpu needs --small" in capsys.readouterr().err
+
+
+def test_budgeted_plan_keeps_the_full_shapes_and_runs_the_tests_last():
+    plan = make_plan("cuda", small=False, budget_s=330)
+    full = make_plan("cuda", small=False)
+    assert (plan.num_requests, plan.prompt_len, plan.output_len) == (full.num_requests, full.prompt_len,
+                                                                     full.output_len), \
+        "a budgeted run must measure the same workload as the full plan"
+    assert plan.hf_batch_sizes == () and plan.deadline_s < 330, \
+        "a budgeted run skips the HF batches and stops starting sections before its budget"

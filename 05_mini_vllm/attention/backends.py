@@ -67,12 +67,18 @@ class TritonAttentionBackend:
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
         # Imported lazily: importing triton is slow and the torch backend never needs it.
-        from mini_vllm.kernels.paged_attention import paged_attention_varlen
-        from mini_vllm.kernels.reshape_and_cache import reshape_and_cache
+        from mini_vllm.kernels.paged_attention import paged_attention_unchecked
+        from mini_vllm.kernels.reshape_and_cache import reshape_and_cache_unchecked
 
-        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        return paged_attention_varlen(query, key_cache, value_cache, md.block_tables,
-                                      md.cu_seqlens_q, md.seq_lens, scale)
+        # The step's metadata is checked once (the first layer; the runner usually did it
+        # already): the kernels' own argument checks read index tensors back to the host,
+        # and 5-7 such waits per layer kept a GPU idle most of a decode step.
+        md.validate(key_cache.shape[0], key_cache.shape[1])
+        reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping)
+        # A pure-decode step uses the decode launch: one program per (sequence, KV head)
+        # instead of a 64-row query tile of which a decode fills GROUP rows.
+        return paged_attention_unchecked(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q,
+                                         md.seq_lens, scale, decode=md.max_query_len == 1)
 
 
 @dataclass

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
-from mini_vllm.forward_context import set_forward_context
+from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
+from mini_vllm.worker.model_forward import ModelForward, eager_config
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 from mini_vllm.sample.sampler import Sampler, gather_logprobs
 from mini_vllm.sample.metadata import SamplingMetadata
@@ -41,7 +42,7 @@ class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
                  max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
                  tokenizer_path: str | None = None, kv_connector=None, proposer=None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, compilation_config: CompilationConfig | None = None) -> None:
         self.model, self.model_config = model, model_config
         # Asynchronous scheduling: the next SchedulerOutput is built before the
         # scheduler knows this step's tokens, so the runner appends them itself.
@@ -57,6 +58,9 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
+        # The forward pass: eager, compiled, or CUDA graphs (`model_forward.py`); None: eager.
+        self.compilation_config = compilation_config or eager_config(self.device.type, max_num_reqs)
+        self.model_forward = ModelForward(model, self.compilation_config, self.device, max_blocks)
         # Chapter 6: the worker-side KV connector when kv_transfer_config is given
         # (duck-typed, never imported here), else None.
         self.kv_connector = kv_connector
@@ -176,8 +180,7 @@ class ModelRunner:
         if kvc is not None:  # external KV lands in its blocks before any layer reads them
             kvc.bind_connector_metadata(so.kv_connector_metadata)
             kvc.start_load_kv(md)
-        with set_forward_context(md):
-            hidden = self.model(input_ids, positions)
+        hidden = self.model_forward(input_ids, positions, md)
         if kvc is not None:  # queue this step's full blocks; bounded, never waits on the store
             kvc.wait_for_save()
             kvc.clear_connector_metadata()
@@ -209,6 +212,11 @@ class ModelRunner:
         if self.proposer is not None:
             mro.spec_token_ids = self._propose_drafts(sampled)
         return mro
+
+    def capture_model(self) -> None:
+        """Capture the CUDA graphs (nothing without a graph mode); after the KV
+        cache is bound, before the first step (vLLM: `GPUModelRunner.capture_model`)."""
+        self.model_forward.capture(self.cache_engine.num_gpu_blocks, self.block_size)
 
     def _append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Asynchronous scheduling: the next step computes the position of each

@@ -24,8 +24,10 @@ from mini_vllm.attention.backends import default_backend
 from mini_vllm.worker.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
                                     num_blocks_for_budget)
 from mini_vllm.distributed import GroupCoordinator, min_over_ranks, use_tp_group
-from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.compilation.config import CUDAGraphMode
 from mini_vllm.forward_context import set_forward_context
+from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
+from mini_vllm.worker.model_forward import ModelForward
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.loader import load_model
@@ -73,38 +75,66 @@ class Worker:
 
     @torch.inference_mode()
     def _profile_cuda_blocks(self, num_tokens: int) -> int:
-        """Run the largest forward pass once and give the KV cache what is left."""
+        """Run the largest forward pass once and give the KV cache what is left of
+        `gpu_memory_utilization x total` after: the weights and the activations' peak
+        (what the caching allocator reserved at most, fragmentation included), the
+        memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces, loaded
+        kernels), the sampler's buffers at max_num_seqs rows, and the CUDA graphs
+        (`_graph_memory`). vLLM: `Worker.determine_available_memory`."""
         cfg, mc, bs = self.config, self.model_config, self.config.block_size
         num_tokens = min(num_tokens, self.max_model_len)
         n_blocks = -(-num_tokens // bs)
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
         tmp = [allocate_kv_cache(n_blocks, bs, self.num_kv_heads, mc.head_dim,
-                                 cfg.torch_dtype, self.device) for _ in range(mc.num_hidden_layers)]
+                                 cfg.torch_dtype, dev) for _ in range(mc.num_hidden_layers)]
         for layer, kv in zip(self.model.attention_layers(), tmp):
             layer.kv_cache = kv
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev),
-            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=dev)[None],
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            max_query_len=num_tokens, max_seq_len=num_tokens,
-            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens])
+        md = dummy_metadata(num_tokens, 1, bs, dev)
+        md.slot_mapping = torch.arange(num_tokens, device=dev)  # the heaviest step also writes every slot
+        md.block_tables = torch.arange(n_blocks, dtype=torch.int32, device=dev)[None]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         with set_forward_context(md):
             hidden = self.model(ids, torch.arange(num_tokens, device=dev))
-        self.model.compute_logits(hidden[-min(cfg.max_num_seqs, num_tokens):])
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        # The sampler's worst case: top-k/top-p sort the whole vocabulary of every row.
+        torch.sort(logits.softmax(dim=-1), dim=-1, descending=True)
+        del logits, hidden
         torch.cuda.synchronize(dev)
         tmp_bytes = n_blocks * self.bytes_per_block
-        peak = torch.cuda.max_memory_allocated(dev) - tmp_bytes
-        del tmp, hidden
-        total = torch.cuda.get_device_properties(dev).total_memory
-        budget = int(total * cfg.gpu_memory_utilization) - peak
+        peak = torch.cuda.max_memory_reserved(dev) - tmp_bytes
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        graphs = self._graph_memory(tmp, n_blocks)
+        del tmp
+        torch.cuda.empty_cache()
+        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graphs
         n = num_blocks_for_budget(budget, self.bytes_per_block, "gpu_memory_utilization budget")
-        logger.info("profiling: peak %.2f GiB, KV cache %d blocks (%.2f GiB)", peak / 2**30, n,
+        logger.info("profiling: torch peak %.2f GiB, outside torch %.2f GiB, CUDA graphs %.2f GiB; "
+                    "KV cache %d blocks (%.2f GiB)", peak / 2**30, non_torch / 2**30, graphs / 2**30, n,
                     n * self.bytes_per_block / 2**30)
         return n
+
+    def _graph_memory(self, tmp_cache, n_blocks: int) -> int:
+        """Bytes the CUDA graphs will hold, measured: capture the largest size
+        (its pool holds the biggest intermediates, which smaller graphs reuse),
+        then the smallest (what each further graph adds), on the profiling cache."""
+        cc = self.config.compilation
+        if cc.cudagraph_mode == CUDAGraphMode.NONE:
+            return 0
+        sizes = cc.cudagraph_capture_sizes
+        deltas = []
+        probe = ModelForward(self.model, cc, self.device, max_blocks=n_blocks)
+        for size in dict.fromkeys([sizes[-1], sizes[0]]):
+            torch.cuda.synchronize(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            probe.capture(n_blocks, self.config.block_size, sizes=[size])
+            deltas.append(max(0, free - torch.cuda.mem_get_info(self.device)[0]))
+        del probe
+        per_extra = deltas[-1] if len(deltas) > 1 else 0
+        return deltas[0] + per_extra * (len(sizes) - 1)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int) -> None:
         mc, cfg = self.model_config, self.config
@@ -120,7 +150,9 @@ class Worker:
                                         logprobs_mode=cfg.logprobs_mode,
                                         tokenizer_path=cfg.tokenizer or cfg.model,
                                         kv_connector=self.kv_connector, proposer=proposer,
-                                        async_scheduling=cfg.async_scheduling)
+                                        async_scheduling=cfg.async_scheduling,
+                                        compilation_config=cfg.compilation)
+        self.model_runner.capture_model()
 
     def _make_proposer(self, spec, num_blocks: int):
         from mini_vllm.speculative.proposers import DraftModelProposer, NgramProposer

@@ -52,8 +52,11 @@ def parse_junit(path: Path) -> dict:
     return {**counts, "failed": failed}
 
 
-def run(out_dir: Path, device: str, small: bool, timeout_s: float) -> dict:
-    files = SMALL_TESTS if small else cuda_test_files() + ENGINE_TESTS
+def run(out_dir: Path, device: str, small: bool, timeout_s: float, engine_first: bool = False) -> dict:
+    """pytest on the selected files; at `timeout_s` it is interrupted (SIGINT), so the
+    JUnit XML still lists the tests that ran, and killed 20 s later if it hangs."""
+    files = SMALL_TESTS if small else (ENGINE_TESTS + cuda_test_files() if engine_first
+                                       else cuda_test_files() + ENGINE_TESTS)
     xml, log = out_dir / "cuda_tests.xml", out_dir / "cuda_tests.log"
     env = dict(os.environ, MINI_VLLM_TEST_DEVICE=device, MINI_VLLM_TEST_ATTENTION_BACKEND="triton",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -66,7 +69,15 @@ def run(out_dir: Path, device: str, small: bool, timeout_s: float) -> dict:
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything it started
+            proc.send_signal(signal.SIGINT)  # pytest stops and still writes the XML of what ran
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything it started
+            except ProcessLookupError:  # it stopped on the interrupt, with its children
+                pass
             proc.wait()
             rc = None
     result = {"files": files, "command": " ".join(cmd[1:]), "exit_code": rc, "timed_out": rc is None,

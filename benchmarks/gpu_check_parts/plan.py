@@ -44,18 +44,27 @@ class Plan:
     profile_batches: tuple[int, ...] = (1, 8, 64, 256)
     profile_steps: int = 5
     profile_prompt_len: int = 128
+    # eager vs CUDA graph modes: each engine's KV cache (small: quick start-up)
+    graph_kv_bytes: int = 4 << 30
     # the pytest subset
     tests_timeout_s: float = 270.0
     # stop starting sections after this many seconds (the report is still written)
     deadline_s: float = 14 * 60.0
 
 
-def make_plan(device: str, small: bool) -> Plan:
+def make_plan(device: str, small: bool, budget_s: float | None = None) -> Plan:
+    """The full plan, `--small`'s, or (`budget_s`) the full shapes fitted into a
+    device lease of that many seconds: one HF batch per size, no HF continuous
+    batching, and the pytest subset last with whatever time is left."""
+    if not small and budget_s is not None:
+        return Plan(device=device, small=False, hf_batch_sizes=(), hf_budget_s=0.0, hf_continuous_budget_s=0.0,
+                    attn_iters=10, profile_batches=(1, 8, 64), profile_steps=4,
+                    tests_timeout_s=max(30.0, budget_s - 20.0), deadline_s=budget_s - 30.0)
     if not small:
         return Plan(device=device, small=False)
     return Plan(device=device, small=True, num_requests=4, prompt_len=(8, 24), output_len=(2, 8),
                 max_token_id=511, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                kv_cache_memory_bytes=16 << 20, hf_batch_sizes=(2, 4), hf_budget_s=30.0,
+                kv_cache_memory_bytes=16 << 20, graph_kv_bytes=16 << 20, hf_batch_sizes=(2, 4), hf_budget_s=30.0,
                 hf_continuous_budget_s=30.0, greedy_requests=2, greedy_exact_tokens=4, attn_heads=(4, 2, 16),
                 attn_batches=(1, 2), attn_contexts=(16, 32), attn_goal_shape=(2, 32), attn_iters=1,
                 profile_batches=(1, 2), profile_steps=2, profile_prompt_len=8, tests_timeout_s=120.0,

@@ -11,7 +11,8 @@ from pathlib import Path
 # (name, goal text, threshold) of the goals; judged only on CUDA (`met` is null elsewhere).
 GOALS = [("engine_over_hf_static", "engine tok/s >= 5x HF generate's best static batch", 5.0),
          ("decode_attention_fraction_of_peak", "decode attention >= 60% of peak bandwidth at batch 64 x 2,048", 0.6),
-         ("batch1_step_wall_over_busy", "batch-1 decode step wall time <= 1.5x its device-busy time", 1.5)]
+         ("batch1_step_wall_over_busy", "batch-1 decode step wall time <= 1.3x its device-busy time (engine default)",
+          1.3)]
 
 
 def goals(sections: dict, device: str) -> list[dict]:
@@ -66,7 +67,7 @@ def markdown(r: dict) -> str:
         e = tp["engine"]
         lines.append(f"| mini-vLLM engine | {tp['workload']['requests']} | {e['output_tokens']} | "
                      f"{e['seconds']:.1f} | {e['tok_per_s']:.0f} |")
-        for h in tp["hf_static"]:
+        for h in tp.get("hf_static", []):
             lines.append(f"| HF generate, static batch {h['batch_size']} | {h.get('requests')} | "
                          f"{_num(h.get('output_tokens'))} | {_num(h.get('seconds'), '{:.1f}')} | "
                          f"{_num(h.get('tok_per_s'), '{:.0f}')} ({h['status']}) |")
@@ -87,6 +88,22 @@ def markdown(r: dict) -> str:
             v, d = row["varlen"], row["decode"]
             lines.append(f"| {row['batch']} | {row['context']} | {v['us']:.1f} | {v['bytes_per_s']:.3g} | "
                          f"{_num(v['fraction_of_peak'], '{:.0%}')} | {d['us']:.1f} | {d['bytes_per_s']:.3g} |")
+    cg = s.get("cudagraphs", {})
+    if "rows" in cg:
+        lines += ["", "## Eager vs CUDA graphs", "", "| mode | start-up s | capture s | batch | wall ms/step | "
+                  "busy ms/step | wall / busy | requests identical to eager |", "|---|---|---|---|---|---|---|---|"]
+        for r in cg["rows"]:
+            if "profile" not in r:
+                lines.append(f"| {r['mode']} | {r['status']} | | | | | | |")
+                continue
+            for i, q in enumerate(r["profile"]):
+                same = r.get("requests_identical_to_eager", "(oracle)") if i == 0 else ""
+                lines.append(f"| {r['mode'] if i == 0 else ''} | {_num(r['startup_s'], '{:.1f}') if i == 0 else ''} | "
+                             f"{_num(r['capture_s'], '{:.1f}') if i == 0 else ''} | {q['batch']} | "
+                             f"{q['wall_ms_per_step']:.2f} | {q['device_busy_ms_per_step']:.2f} | "
+                             f"{_num(q['wall_over_busy'], '{:.2f}')} | {same} |")
+        lines += [f"- {r['mode']}: first divergences (request, token index) {r['first_divergences']}"
+                  for r in cg["rows"] if r.get("first_divergences")]
     p = s.get("step_profile", {})
     if "rows" in p:
         lines += ["", f"## Decode step profile (busy: {p['busy_source']})", "",

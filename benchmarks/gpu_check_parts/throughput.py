@@ -77,12 +77,14 @@ def run(model_dir: str, plan: Plan) -> dict:
     del hf32
     free_device_memory(dev)
 
-    hf_baselines.static_batches(hf, [(p[:16], 4) for p, _ in reqs[:2]], 2, 0.0, dev)  # warm-up
+    if plan.hf_batch_sizes:
+        hf_baselines.static_batches(hf, [(p[:16], 4) for p, _ in reqs[:2]], 2, 0.0, dev)  # warm-up
     out["hf_static"] = [hf_baselines.static_batches(hf, reqs, bs, plan.hf_budget_s, dev)
                         for bs in plan.hf_batch_sizes]
     free_device_memory(dev)
     try:
-        out["hf_continuous"] = hf_baselines.continuous_batching(hf, reqs, plan.hf_continuous_budget_s, plan.small)
+        out["hf_continuous"] = ({"status": "skipped: no time budget in this plan"} if plan.hf_continuous_budget_s <= 0
+                                else hf_baselines.continuous_batching(hf, reqs, plan.hf_continuous_budget_s, plan.small))
     except Exception as e:  # a transformers version whose API differs: recorded, the rest still counts
         out["hf_continuous"] = {"status": f"error: {type(e).__name__}: {e}"}
     del hf

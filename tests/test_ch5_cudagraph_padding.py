@@ -1,0 +1,163 @@
+"""CUDA graphs' padded-bucket path, exercised on the CPU (`worker/model_forward.py`).
+
+On a CPU nothing is captured, but a graph mode runs every step it covers
+through the same code as on a GPU: the step is copied into the static
+buffers, padded to a capture size, and the runnable that a replay would
+stand for runs on those buffers. These tests pin what makes a replay
+correct: the tokens of the unpadded path, no KV write from a padded row,
+one graph per capture size (captured largest first), inputs that never move
+after capture, and the configuration's errors. On CUDA, `make gpu-check`
+compares real replays with `enforce_eager=True`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import greedy, make_llm, run_greedy
+from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode, default_capture_sizes
+from mini_vllm.worker.cudagraph_dispatcher import CudagraphDispatcher
+
+SIZES = [1, 2, 4, 8]
+PROMPTS = [list(range(5 + i, 14 + 3 * i)) for i in range(5)]  # 5 requests: decode batches of 5 pad to 8
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+
+
+@pytest.fixture(scope="module")
+def eager_and_full():
+    eager = make_llm(enforce_eager=True)
+    full = make_llm(compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": SIZES})
+    yield eager, full
+    eager.shutdown()
+    full.shutdown()
+
+
+def test_full_graph_steps_give_the_unpadded_tokens_and_logprobs(eager_and_full):
+    eager, full = eager_and_full
+    params = [greedy(10, logprobs=3) for _ in PROMPTS]
+    want = eager.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = full.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, \
+            "a padded FULL-graph decode step changed the greedy tokens: padding leaked into the real rows"
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            for tok, lp in lw.items():
+                assert abs(lg[tok].logprob - lp.logprob) < 1e-4, \
+                    "padded decode changed the logprobs beyond fp32 noise: the real rows saw other inputs"
+    mf = _runner(full).model_forward
+    assert mf.full_graph is not None and sorted(mf.full_graph.entries) == SIZES, \
+        "a FULL graph must exist for every capture size after start-up"
+
+
+def test_graphs_are_captured_largest_first(eager_and_full):
+    mf = _runner(eager_and_full[1]).model_forward
+    assert list(mf.full_graph.entries) == sorted(SIZES, reverse=True), \
+        "capture must go from the largest size down, so smaller graphs reuse the largest one's pool"
+
+
+def test_decode_steps_run_as_full_graphs_padded_to_a_capture_size(eager_and_full):
+    full = eager_and_full[1]
+    mf = _runner(full).model_forward
+    seen = []
+    real_call = mf.full_graph.runnable
+
+    def spy(ids, pos):
+        seen.append(ids.shape[0])
+        return real_call(ids, pos)
+
+    mf.full_graph.runnable = spy
+    try:
+        run_greedy(full, PROMPTS[:3], 4)  # 3 decoding requests: every decode step pads 3 -> 4
+    finally:
+        mf.full_graph.runnable = real_call
+    assert seen and set(seen) <= set(SIZES), f"graph steps must run at a capture size, saw {seen}"
+    assert 4 in seen, f"3 decoding requests must pad to the capture size 4, saw {seen}"
+
+
+def test_padded_rows_write_no_kv_slot(eager_and_full):
+    """One decode step of 3 requests (padded to 4): the only cache rows that change are
+    the 3 slots the scheduler gave them; block 0, which the padded row reads, stays."""
+    full = eager_and_full[1]
+    runner = _runner(full)
+    engine = full.llm_engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"pad-{i}", {"prompt_token_ids": p}, greedy(3))
+    engine.step()  # prefill (a mixed batch: no graph)
+    caches = [t for pair in runner.cache_engine.gpu_cache for t in pair]
+    before = [c.clone() for c in caches]
+    slots = []
+    real_fill = runner.model_forward.static.fill_decode_metadata
+
+    def record(md, padded):
+        slots.extend(md.slot_mapping.tolist())
+        return real_fill(md, padded)
+
+    runner.model_forward.static.fill_decode_metadata = record
+    try:
+        engine.step()
+    finally:
+        runner.model_forward.static.fill_decode_metadata = real_fill
+    assert runner.model_forward.last_mode == CUDAGraphMode.FULL, "a 3-request decode step must run as a FULL graph"
+    assert len(slots) == 3 and min(slots) >= 0, f"the step's real rows must have real slots, got {slots}"
+    block_size = caches[0].shape[1]
+    for c, b in zip(caches, before):
+        changed = (c != b).reshape(c.shape[0] * block_size, -1).any(dim=1).nonzero().flatten().tolist()
+        assert set(changed) <= set(slots), \
+            f"a padded row wrote KV slots {sorted(set(changed) - set(slots))}: padding must use slot -1"
+    engine.abort_request([f"pad-{i}" for i in range(3)])
+
+
+def test_static_buffer_reallocated_after_capture_is_refused(eager_and_full):
+    full = eager_and_full[1]
+    static = _runner(full).model_forward.static
+    old = static.input_ids
+    static.input_ids = torch.zeros_like(old)
+    try:
+        with pytest.raises(RuntimeError, match="moved since capture"):
+            run_greedy(full, PROMPTS[:2], 3)
+    finally:
+        static.input_ids = old
+
+
+def test_batches_beyond_the_largest_size_and_prefills_run_without_graphs():
+    d = CudagraphDispatcher(CompilationConfig(cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4, 8])
+                            .resolve("cuda", 16, False))
+    assert d.dispatch(3, True)[0] == CUDAGraphMode.FULL and d.dispatch(3, True)[1].num_tokens == 4, \
+        "3 decode tokens must pad to the capture size 4"
+    assert d.dispatch(9, True)[0] == CUDAGraphMode.NONE, "a decode batch above the largest size must run eagerly"
+    assert d.dispatch(3, False)[0] == CUDAGraphMode.NONE, "FULL graphs are for pure-decode steps only"
+
+
+def test_default_capture_sizes_follow_vllm_ladder():
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and default_capture_sizes(512)[-1] == 512
+    cfg = CompilationConfig().resolve("cuda", 48, False)
+    assert cfg.cudagraph_mode == CUDAGraphMode.FULL and cfg.cudagraph_capture_sizes[-1] == 48, \
+        "on CUDA the default is FULL graphs up to max_num_seqs"
+    assert CompilationConfig().resolve("cpu", 48, False).cudagraph_mode == CUDAGraphMode.NONE, \
+        "a CPU has nothing to capture: graphs are off by default there"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(enforce_eager=True, compilation_config={"cudagraph_mode": "FULL"}), "enforce_eager=True"),
+    (dict(compilation_config={"cudagraph_mode": "PIECEWISE"}), "needs mode VLLM_COMPILE"),
+    (dict(compilation_config={"cudagraph_mode": "SOMETIMES"}), "cudagraph_mode must be one of"),
+    (dict(compilation_config={"mode": 2}), "DYNAMO_TRACE_ONCE"),
+    (dict(compilation_config={"cudagraph_capture_sizes": [0, 4]}), "cudagraph_capture_sizes"),
+    (dict(compilation_config={"cudagraph_capture_sizes": [4, 64], "max_cudagraph_capture_size": 8}),
+     "<= max_cudagraph_capture_size"),
+    (dict(compilation_config={"splitting_ops": []}), None),
+    (dict(compilation_config={"capture": True}), "unknown field"),
+    (dict(tensor_parallel_size=2, compilation_config={"cudagraph_mode": "FULL"}), "tensor_parallel_size > 1"),
+])
+def test_bad_compilation_configs_are_refused(kwargs, match):
+    from mini_vllm.config import EngineConfig
+
+    if match is None:  # no split needed without VLLM_COMPILE: accepted
+        EngineConfig.from_kwargs("m", device="cpu", **kwargs)
+        return
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs("m", device="cpu", **kwargs)
