@@ -62,19 +62,19 @@ def test_decode_steps_run_as_full_graphs_padded_to_a_capture_size(eager_and_full
     full = eager_and_full[1]
     mf = _runner(full).model_forward
     seen = []
-    real_call = mf.full_graph.runnable
+    real_fill = mf.static.fill_decode_metadata
 
-    def spy(ids, pos):
-        seen.append(ids.shape[0])
-        return real_call(ids, pos)
+    def spy(md, padded):  # called on every FULL step, replayed (CUDA) or run in place (CPU)
+        seen.append((md.num_seqs, padded))
+        return real_fill(md, padded)
 
-    mf.full_graph.runnable = spy
+    mf.static.fill_decode_metadata = spy
     try:
         run_greedy(full, PROMPTS[:3], 4)  # 3 decoding requests: every decode step pads 3 -> 4
     finally:
-        mf.full_graph.runnable = real_call
-    assert seen and set(seen) <= set(SIZES), f"graph steps must run at a capture size, saw {seen}"
-    assert 4 in seen, f"3 decoding requests must pad to the capture size 4, saw {seen}"
+        mf.static.fill_decode_metadata = real_fill
+    assert seen and all(p in SIZES for _, p in seen), f"graph steps must run at a capture size, saw {seen}"
+    assert (3, 4) in seen, f"3 decoding requests must run as a FULL step padded to 4, saw {seen}"
 
 
 def test_padded_rows_write_no_kv_slot(eager_and_full):

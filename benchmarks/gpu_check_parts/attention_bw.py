@@ -6,8 +6,9 @@ Qwen3-0.6B's attention (16 query / 8 KV heads of 128; `--small`: 4 / 2 of 16),
 bf16, block size 16,
 for every batch size x context length of the plan, through shuffled block
 tables. Two launches of the same kernel body: `decode` (one program per
-sequence and KV head) and `varlen` with one query per sequence, which is
-what the engine's Triton backend calls for a decode step. The argument checks
+sequence and KV head), which the engine's Triton backend launches for a
+pure-decode step, and `varlen` with one query per sequence, which it launches
+for a mixed step (the goal is judged on `decode`). The argument checks
 (host reads) run once per shape, then the kernel alone is timed with CUDA
 events around `iters` back-to-back launches.
 
