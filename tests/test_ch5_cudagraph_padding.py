@@ -161,3 +161,16 @@ def test_bad_compilation_configs_are_refused(kwargs, match):
         return
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_kwargs("m", device="cpu", **kwargs)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from mini_vllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    base = ["generate", "--model", "m", "--prompt", "p"]
+    kw = _engine_kwargs(build_parser().parse_args(base + ["-O", '{"cudagraph_mode": "FULL"}', "--enforce-eager"]))
+    assert kw["compilation_config"] == {"cudagraph_mode": "FULL"} and kw["enforce_eager"] is True, \
+        "--compilation-config / --enforce-eager were parsed but not passed to the engine"
+    assert _engine_kwargs(build_parser().parse_args(base + ["-O3"]))["compilation_config"] == 3, \
+        "-O3 must mean compilation mode 3 (VLLM_COMPILE), as in vLLM"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["-O", "[1, 2]"])

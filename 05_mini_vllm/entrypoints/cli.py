@@ -29,6 +29,23 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
                    help="ranks (processes; one GPU each on CUDA) that split every layer")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next step while this one runs (placeholders for tokens in flight)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
+    p.add_argument("--compilation-config", "-O", default=None, type=_compilation_config,
+                   help='an int mode (-O3: VLLM_COMPILE) or JSON, e.g. \'{"mode": 3, "cudagraph_mode": '
+                        '"FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]}\'')
+
+
+def _compilation_config(text: str):
+    """`-O3` or JSON, as vLLM's --compilation-config reads it."""
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--compilation-config must be an int or a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--compilation-config must be an int or a JSON object, got {text!r}")
+    return value
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -68,7 +85,8 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
 
 
 def _generate(args) -> int:
