@@ -12,11 +12,12 @@ at construction, each a ValueError that names the field and its allowed range:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from mini_vllm.attention.backends import BACKEND_NAMES
+from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
 # vLLM's `LogprobsMode` (vllm/config/model.py): what a request's logprobs describe.
@@ -88,6 +89,7 @@ class EngineConfig:
     # into `compilation` (a CompilationConfig with every default filled in).
     compilation_config: dict | int | None = None
     enforce_eager: bool = False
+    compilation: CompilationConfig = field(init=False, repr=False)  # resolved from the two above
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
@@ -109,8 +111,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        from mini_vllm.compilation.config import CompilationConfig
-
         self.compilation = CompilationConfig.from_any(self.compilation_config).resolve(
             torch.device(self.device).type, self.max_num_seqs if isinstance(self.max_num_seqs, int) else 1,
             self.enforce_eager)
@@ -168,7 +168,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         """vLLM-style `LLM(model, **engine_args)`: unknown names are an error."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
