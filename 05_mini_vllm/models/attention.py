@@ -1,18 +1,39 @@
-"""The `Attention` layer every model calls: paged KV cache + a chosen backend.
+"""The `Attention` layer every model calls: paged KV cache + a chosen backend,
+reached through one custom op, `mini_vllm::unified_attention_with_output`.
 
-vLLM counterpart: `vllm/attention/layer.py` (`Attention`), which binds the
-layer's slice of the KV cache (`self.kv_cache`) and forwards to the backend
-picked by `vllm/attention/selector.py`.
+vLLM counterpart: `vllm/attention/layer.py` (`Attention`, which binds the
+layer's slice of the KV cache and forwards to the backend picked by
+`vllm/attention/selector.py`, and the custom op `unified_attention_with_output`
+with its fake implementation).
+
+Why a custom op: `torch.compile` must not look inside attention. Its inputs
+change shape every step (the block tables, the varlen layout), it writes the
+KV cache in place, and the piecewise backend (`compilation/backends.py`) cuts
+the traced graph at exactly this op. To the compiler the op is a black box
+that reads q/k/v and writes `output`; the layer, its cache and the step's
+metadata are found at run time from `layer_name` and the forward context, so
+none of them is ever baked into a compiled graph as a constant.
 
 Invariants:
 * the runner binds `self.kv_cache = (key_cache, value_cache)`, each
   [num_blocks, block_size, num_kv_heads, head_size], before the first forward;
 * the batch layout comes from `get_forward_context()`, never from arguments,
   so model code keeps Hugging Face's shape;
-* `forward` takes and returns flat [T, heads*head_size] rows; the backend
-  writes this step's K/V into the cache before it reads anything.
+* `forward` takes and returns flat [T, heads*head_size] rows and always goes
+  through the op (eager too: one code path); `output` is allocated by the
+  caller, so under piecewise CUDA graphs it belongs to the piece before attention;
+* the op's schema declares `output` mutated: it is then never dead code, and it stays
+  after what produces q/k/v and before what reads `output`. The KV cache it
+  also writes is invisible to the compiler, which is safe because nothing in a
+  graph reads a cache: only this op, for its own layer, in layer order;
+* every layer's `layer_name` is unique in the process (a draft and a target
+  model, or a test's many models, never share one), and the registry holds
+  layers weakly, so a dropped model is freed.
 """
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -20,16 +41,48 @@ from torch import nn
 from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.forward_context import get_forward_context
 
+# layer_name -> Attention (vLLM keeps this in the forward context as `no_compile_layers`).
+_LAYERS: weakref.WeakValueDictionary[str, "Attention"] = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
+
+
+def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  output: torch.Tensor, layer_name: str) -> None:
+    """Write this step's K/V into the layer's cache, attend, put the result in `output`."""
+    layer = _LAYERS.get(layer_name)
+    if layer is None:
+        raise RuntimeError(f"no live Attention layer is named {layer_name!r}")
+    layer.run(query, key, value, output)
+
+
+# Registered through `torch.library.Library`, as vLLM's `direct_register_custom_op`
+# does: `torch.library.custom_op` adds about 20 us of Python dispatch per call
+# (2 us this way), paid by every layer of every eager step. `Tensor(a!)` is the
+# schema's word for "written in place".
+_LIB = torch.library.Library("mini_vllm", "FRAGMENT")
+_LIB.define("unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output, "
+            "str layer_name) -> ()")
+_LIB.impl("unified_attention_with_output", unified_attention_with_output, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mini_vllm::unified_attention_with_output", lib=_LIB)
+def _(query, key, value, output, layer_name) -> None:
+    return None  # shapes are the caller's: the op only fills `output`
+
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", prefix: str = "attn"):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # vLLM names a layer by its module path; two models built from the same
+        # config would share those, so a process-wide number makes the name unique.
+        self.layer_name = f"{prefix}.{next(_NEXT_ID)}"
+        _LAYERS[self.layer_name] = self
         self.set_backend(attention_backend)
 
     def set_backend(self, name: str) -> None:
@@ -37,17 +90,23 @@ class Attention(nn.Module):
         self.backend_name = name
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        output = torch.empty(q.shape[0], self.num_heads * self.head_size, dtype=q.dtype, device=q.device)
+        torch.ops.mini_vllm.unified_attention_with_output(q, k, v, output, self.layer_name)
+        return output
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+        """The op's body, eager always: the backend writes K/V, attends, and we fill `output`."""
         md = get_forward_context()
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound: the runner must set "
                                "layer.kv_cache = (key_cache, value_cache) before the first forward")
         num_tokens = q.shape[0]
         out = self.backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            q.reshape(num_tokens, self.num_heads, self.head_size),
+            k.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            v.reshape(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache[0], self.kv_cache[1], md, self.scale)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        output.copy_(out.reshape(num_tokens, -1))
 
 
 def set_attention_backend(model: nn.Module, name: str) -> None:

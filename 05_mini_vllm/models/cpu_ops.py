@@ -31,6 +31,9 @@ Invariants:
 * `fused(x, *params)` says whether a layer may call the fused ops for x: float32 on
   the CPU with no autograd graph to record (bf16/fp16 and GPUs keep the torch
   code, which is also the readable reference);
+* under `torch.compile` (`torch.compiler.is_compiling()`, a constant while
+  Dynamo traces) both are off: the traced graph holds the plain torch ops,
+  which inductor fuses and `compilation/backends.py` splits at attention;
 * `MINI_VLLM_CPU_OPS=torch` turns both off (`compiled`, the default, on), for
   a learner reading the torch path or bisecting a numeric difference; any
   other value is refused at import, naming the allowed ones.
@@ -85,8 +88,10 @@ def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """What both compiled paths need: switched on, x on the CPU, no autograd graph to record."""
-    return (CPU_OPS == "compiled" and x.device.type == "cpu"
+    """What both compiled paths need: switched on, x on the CPU, no autograd graph to
+    record, and not being traced by `torch.compile` (Dynamo cannot follow numba or a
+    weight cache kept in a Python attribute; inductor fuses the torch code itself)."""
+    return (CPU_OPS == "compiled" and x.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 
 
