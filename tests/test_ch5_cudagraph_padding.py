@@ -174,3 +174,35 @@ def test_cli_flags_reach_the_engine_config():
         "-O3 must mean compilation mode 3 (VLLM_COMPILE), as in vLLM"
     with pytest.raises(SystemExit):
         build_parser().parse_args(base + ["-O", "[1, 2]"])
+
+
+@pytest.mark.parametrize("graph_mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_piecewise_steps_give_the_eager_tokens(eager_and_full, graph_mode):
+    """Compiled pieces (inductor) with attention between them, every step padded to a
+    capture size: mixed prefill + decode steps run PIECEWISE, pure decodes FULL when
+    the mode has both; greedy tokens equal the eager engine's (fp32)."""
+    eager = eager_and_full[0]
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    llm = make_llm(compilation_config={"mode": 3, "cudagraph_mode": graph_mode, "cudagraph_capture_sizes": sizes})
+    try:
+        mf = _runner(llm).model_forward
+        modes = []
+        real = mf.dispatcher.dispatch
+
+        def spy(num_tokens, uniform_decode):
+            mode, batch = real(num_tokens, uniform_decode)
+            modes.append((mode.name, num_tokens, batch and batch.num_tokens))
+            return mode, batch
+
+        mf.dispatcher.dispatch = spy
+        want = run_greedy(eager, PROMPTS, 8)
+        got = run_greedy(llm, PROMPTS, 8)
+        assert got == want, f"{graph_mode}: the padded, compiled steps changed the greedy tokens"
+        kinds = {m for m, _, _ in modes}
+        assert "PIECEWISE" in kinds, f"{graph_mode}: no step ran as PIECEWISE graphs: {modes}"
+        assert ("FULL" in kinds) == (graph_mode == "FULL_AND_PIECEWISE"), \
+            f"{graph_mode}: pure-decode steps must run FULL exactly when the mode has FULL graphs: {modes}"
+        assert all(p in sizes and p >= n for m, n, p in modes if m != "NONE"), \
+            f"a graph step ran at a size that is not its padded capture size: {modes}"
+    finally:
+        llm.shutdown()

@@ -100,13 +100,18 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound: the runner must set "
                                "layer.kv_cache = (key_cache, value_cache) before the first forward")
-        num_tokens = q.shape[0]
+        # A PIECEWISE CUDA-graph step pads the rows to a capture size; attention runs on
+        # the step's real tokens only (vLLM's num_actual_tokens): padded rows have no
+        # slot and no sequence, and their output rows are never read.
+        num_tokens = md.num_tokens
+        if q.shape[0] < num_tokens:
+            raise RuntimeError(f"attention got {q.shape[0]} rows for a step of {num_tokens} tokens")
         out = self.backend.forward(
-            q.reshape(num_tokens, self.num_heads, self.head_size),
-            k.reshape(num_tokens, self.num_kv_heads, self.head_size),
-            v.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            q[:num_tokens].reshape(num_tokens, self.num_heads, self.head_size),
+            k[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size),
+            v[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache[0], self.kv_cache[1], md, self.scale)
-        output.copy_(out.reshape(num_tokens, -1))
+        output[:num_tokens].copy_(out.reshape(num_tokens, -1))
 
 
 def set_attention_backend(model: nn.Module, name: str) -> None:
