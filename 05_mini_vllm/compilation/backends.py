@@ -36,6 +36,7 @@ still traces on every new process (seconds).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -145,6 +146,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         return out
 
 
+_COMPILE_PARAMS = inspect.signature(torch.compile).parameters
+_HINT_OVERRIDE = "hint_override" in inspect.signature(torch._dynamo.mark_dynamic).parameters
+
+
 class CompiledForward:
     """`(input_ids, positions) -> hidden`, equal to `model(input_ids, positions)`;
     call it inside `set_forward_context(md)`, as the model."""
@@ -161,8 +166,10 @@ class CompiledForward:
         self.stats = CompileStats()
         self.cache_dir = inductor_cache_dir()
         backend = self._split_backend if mode == CompilationMode.VLLM_COMPILE else self._stock_backend
+        # isolate_recompiles (PyTorch >= 2.12): models of one class keep separate caches.
+        extra = {"isolate_recompiles": True} if "isolate_recompiles" in _COMPILE_PARAMS else {}
         self._compiled = torch.compile(
-            model, backend=backend, fullgraph=True, isolate_recompiles=True,
+            model, backend=backend, fullgraph=True, **extra,
             # Keep every guard but the shape env's (see the module docstring).
             options={"guard_filter_fn": lambda guards: [g.guard_type != "SHAPE_ENV" for g in guards]})
 
@@ -194,7 +201,10 @@ class CompiledForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         for t in (input_ids, positions):
             # A hint of at least 2: Dynamo specialises a traced size of 1 (see module docstring).
-            torch._dynamo.mark_dynamic(t, 0, hint_override=None if t.shape[0] >= 2 else 2)
+            if _HINT_OVERRIDE:
+                torch._dynamo.mark_dynamic(t, 0, hint_override=None if t.shape[0] >= 2 else 2)
+            else:  # older PyTorch: a first call of 1 token would specialise (the engine's is larger)
+                torch._dynamo.mark_dynamic(t, 0)
         if self.stats.num_compilations:
             return self._compiled(input_ids, positions)
         t0 = time.perf_counter()
