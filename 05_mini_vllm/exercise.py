@@ -97,12 +97,12 @@ class ModelRunner:
             layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
         self.kv_connector = self.proposer = None  # not part of the exercise (see plug_runner)
 
-    @staticmethod
-    def _make_generator(params):
+    def _make_generator(self, params):
         """Given: a seeded request's own generator (None without a seed, and for a
-        Chapter 3 scheduler's own SamplingParams, which declares no seed)."""
+        Chapter 3 scheduler's own SamplingParams, which declares no seed), on the
+        logits' device."""
         seed = params.seed if isinstance(params, SamplingParams) else None
-        return None if seed is None else torch.Generator().manual_seed(int(seed))
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
 
     def _update_states(self, so) -> None:
         """TODO: bring self.requests and self.input_batch up to date with SchedulerOutput `so`."""

@@ -206,3 +206,25 @@ def test_piecewise_steps_give_the_eager_tokens(eager_and_full, graph_mode):
             f"a graph step ran at a size that is not its padded capture size: {modes}"
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("asked, backend, want", [
+    (None, "torch", "NONE"),                                   # default FULL: the torch backend cannot be captured
+    ({"mode": 3}, "torch", "PIECEWISE"),                       # default FULL_AND_PIECEWISE keeps its pieces
+    (None, "triton", "FULL"),                                  # the triton backend is capture-safe
+    ({"cudagraph_mode": "FULL"}, "torch", ValueError),         # asked for by name: an error, not a silent change
+])
+def test_full_graphs_only_with_a_capture_safe_backend(asked, backend, want):
+    from types import SimpleNamespace
+
+    from mini_vllm.config import EngineConfig
+    from mini_vllm.worker.worker import Worker
+
+    cfg = EngineConfig.from_kwargs("m", device="cuda", attention_backend=backend, compilation_config=asked)
+    fake = SimpleNamespace(device=torch.device("cuda"), attention_backend=backend)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="cannot run inside a CUDA graph"):
+            Worker._graph_modes_for_backend(fake, cfg)
+        return
+    got = Worker._graph_modes_for_backend(fake, cfg).cudagraph_mode.name
+    assert got == want, f"{backend} backend with {asked}: cudagraph_mode {got}, expected {want}"

@@ -166,3 +166,18 @@ def test_budgeted_plan_keeps_the_full_shapes_and_runs_the_tests_last():
         "a budgeted run must measure the same workload as the full plan"
     assert plan.hf_batch_sizes == () and plan.deadline_s < 330, \
         "a budgeted run skips the HF batches and stops starting sections before its budget"
+
+
+def test_child_processes_import_the_source_tree(monkeypatch):
+    """The engine core is a spawned process: without the finder in its interpreter too,
+    `import mini_vllm` fails there on a machine where the package is not installed."""
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    environment._children_use_source_tree()
+    probe = ("import sys; import mini_vllm; "
+             "print(any(type(f).__name__ == '_SourceTreeFinder' for f in sys.meta_path), mini_vllm.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found, path = out.stdout.split()
+    assert found == "True", "a child interpreter started without the source-tree finder"
+    assert Path(path).parent == REPO / "05_mini_vllm", f"the child imported mini_vllm from {path}, not the checkout"

@@ -48,6 +48,8 @@ class TorchAttentionBackend:
     one plan per step, block-granular gathers, decodes bucketed by length."""
 
     name = "torch"
+    # Host-side planning (lengths read back, per-group launches): never inside a CUDA graph.
+    full_cudagraph_support = False
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
         torch_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
@@ -64,6 +66,8 @@ class TritonAttentionBackend:
     models that way, slowly, to check this path without a GPU)."""
 
     name = "triton"
+    # A pure-decode step's launches depend only on tensor shapes: a FULL graph may hold them.
+    full_cudagraph_support = True
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
         # Imported lazily: importing triton is slow and the torch backend never needs it.
@@ -114,6 +118,7 @@ class CpuAttentionBackend:
     one parallel launch over (sequence, KV head, query tile), blocks read in place."""
 
     name = "cpu"
+    full_cudagraph_support = False  # a CPU kernel: nothing to capture
     builder = CPUAttentionMetadataBuilder()  # stateless: one for every layer
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):

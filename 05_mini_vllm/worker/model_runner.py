@@ -113,14 +113,14 @@ class ModelRunner:
                 batch.append_block_ids(row, cr.new_block_ids)
             batch.num_computed_tokens[row] = cr.num_computed_tokens
 
-    @staticmethod
-    def _make_generator(params):
+    def _make_generator(self, params):
         # A Chapter 3 scheduler's own SamplingParams (max_tokens and stop rules
         # only, as in tests/test_ch5_runner.py) declares no seed: no generator.
         seed = params.seed if isinstance(params, SamplingParams) else None
         if seed is None:
             return None
-        return torch.Generator().manual_seed(int(seed))
+        # On the logits' device: a CUDA tensor cannot draw from a CPU generator.
+        return torch.Generator(device=self.device).manual_seed(int(seed))
 
     # ---------------------------------------------------------- 3. inputs
     def _prepare_inputs(self, so):

@@ -16,15 +16,16 @@ driver's block ids and block tables address the same slots on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from mini_vllm.attention.backends import default_backend
+from mini_vllm.attention.backends import default_backend, get_attn_backend
 from mini_vllm.worker.cache_engine import (CPU_DEFAULT_KV_BYTES, CacheEngine, kv_bytes_per_block,
                                     num_blocks_for_budget)
 from mini_vllm.distributed import GroupCoordinator, min_over_ranks, use_tp_group
-from mini_vllm.compilation.config import CUDAGraphMode
+from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.forward_context import set_forward_context
 from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
 from mini_vllm.worker.model_forward import ModelForward
@@ -51,6 +52,7 @@ class Worker:
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = config.attention_backend or default_backend(self.device)
         set_attention_backend(self.model, self.attention_backend)
+        self.compilation = self._graph_modes_for_backend(config)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -59,6 +61,26 @@ class Worker:
         self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers, config.block_size,
                                                   self.num_kv_heads, mc.head_dim,
                                                   config.torch_dtype)
+
+    def _graph_modes_for_backend(self, config) -> CompilationConfig:
+        """FULL graphs capture attention too, which only a capture-safe backend allows
+        (vLLM: the backend's `cudagraph_support`). Asked for by name with another
+        backend, that is an error; by default, FULL falls back to NONE and
+        FULL_AND_PIECEWISE to PIECEWISE (attention then runs eagerly between pieces)."""
+        cc = config.compilation
+        backend = get_attn_backend(self.attention_backend)
+        if self.device.type != "cuda" or not cc.cudagraph_mode.has_full() or backend.full_cudagraph_support:
+            return cc
+        asked = isinstance(config.compilation_config, dict) and "cudagraph_mode" in config.compilation_config
+        if asked:
+            raise ValueError(f"compilation_config.cudagraph_mode {cc.cudagraph_mode.name} captures attention, which "
+                             f"the {self.attention_backend!r} backend cannot run inside a CUDA graph: use "
+                             "attention_backend='triton', or cudagraph_mode PIECEWISE or NONE")
+        fallback = (CUDAGraphMode.PIECEWISE if cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+                    else CUDAGraphMode.NONE)
+        logger.info("attention backend %r is not capture-safe: cudagraph_mode %s -> %s", self.attention_backend,
+                    cc.cudagraph_mode.name, fallback.name)
+        return dataclasses.replace(cc, cudagraph_mode=fallback)
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> tuple[int, int]:
         cfg = self.config
@@ -121,7 +143,7 @@ class Worker:
         """Bytes the CUDA graphs will hold, measured: capture the largest size
         (its pool holds the biggest intermediates, which smaller graphs reuse),
         then the smallest (what each further graph adds), on the profiling cache."""
-        cc = self.config.compilation
+        cc = self.compilation
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return 0
         sizes = cc.cudagraph_capture_sizes
@@ -151,7 +173,7 @@ class Worker:
                                         tokenizer_path=cfg.tokenizer or cfg.model,
                                         kv_connector=self.kv_connector, proposer=proposer,
                                         async_scheduling=cfg.async_scheduling,
-                                        compilation_config=cfg.compilation)
+                                        compilation_config=self.compilation)
         self.model_runner.capture_model()
 
     def _make_proposer(self, spec, num_blocks: int):

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import platform
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +43,9 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
                                                       submodule_search_locations=[str(folder)])
 
 
-def use_source_tree() -> None:
-    """Make `import mini_vllm` load this checkout (idempotent)."""
+def use_source_tree(children: bool = True) -> None:
+    """Make `import mini_vllm` load this checkout (idempotent); with `children`,
+    in the child processes started from now on too."""
     if any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
         return
     if "mini_vllm" in sys.modules:
@@ -52,6 +55,22 @@ def use_source_tree() -> None:
     from mutants.core import package_dirs
 
     sys.meta_path.insert(0, _SourceTreeFinder({p: REPO / d for p, d in package_dirs(REPO).items()}))
+    if children:
+        _children_use_source_tree()
+
+
+def _children_use_source_tree() -> None:
+    """Child interpreters (the pytest run, the engine core's spawned process) do
+    not inherit a meta-path finder: a `sitecustomize` on their PYTHONPATH
+    installs the same one at start-up."""
+    folder = Path(tempfile.mkdtemp(prefix="mini_vllm_source_tree_"))
+    (folder / "sitecustomize.py").write_text(
+        "# Written by gpu_check_parts.environment: import mini_vllm from the checkout.\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+        "from gpu_check_parts.environment import use_source_tree\n"
+        "use_source_tree(children=False)\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 
 def parse_version(text: str) -> tuple[int, ...]:
