@@ -19,6 +19,12 @@ Two independent switches, as in vLLM:
   VLLM_COMPILE); FULL_AND_PIECEWISE (FULL for pure-decode steps, PIECEWISE
   for the others; vLLM's default on CUDA).
 
+Defaults: on CUDA, FULL graphs of the eager model (the eager tokens exactly,
+4.7x faster batch-1 decode steps on an H200); on a CPU, NONE and eager: the
+hand-fused CPU layer ops are within 10% of inductor at the Qwen3-0.6B shape in
+bf16 (`benchmarks/bench_compile.py`), and compiling would cost seconds at every
+start. `-O3` (VLLM_COMPILE, FULL_AND_PIECEWISE on CUDA) is the fastest GPU mode.
+
 Invariants:
 * every batch that runs under a graph is padded up to the smallest capture
   size >= its token count; the padded rows write no KV slot (slot -1);
