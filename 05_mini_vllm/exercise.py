@@ -37,6 +37,7 @@ import torch
 from mini_vllm.attention.metadata import AttentionMetadata  # noqa: F401
 from mini_vllm.forward_context import set_forward_context  # noqa: F401
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
+from mini_vllm.worker.model_forward import ModelForward, eager_config
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
@@ -96,6 +97,11 @@ class ModelRunner:
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
         self.kv_connector = self.proposer = None  # not part of the exercise (see plug_runner)
+        # Not part of the exercise either: the reference runner also runs under asynchronous
+        # scheduling and replays CUDA graphs; this runner is the plain, eager case of both.
+        self.async_scheduling = False
+        self.model_forward = ModelForward(model, eager_config(self.device.type, max_num_reqs), self.device,
+                                          -(-max_model_len // block_size))
 
     def _make_generator(self, params):
         """Given: a seeded request's own generator (None without a seed, and for a

@@ -49,9 +49,9 @@ from .ngram_proposer import propose_ngram
 NgramProposer._propose = staticmethod(propose_ngram)
 """),
     "5": ("05_mini_vllm/exercise.py", """
-from .ops_topk_topp import apply_min_p, apply_top_k_top_p
-from .prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
-from .model_runner import ModelRunner as _Reference
+from .sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from .worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
+from .worker.model_runner import ModelRunner as _Reference
 for _name in ("_update_states", "_prepare_inputs", "execute_model", "_prompt_logprobs"):
     setattr(ModelRunner, _name, getattr(_Reference, _name))
 ModelRunner.grammars = {}  # the reference's state for structured outputs (never used here)

@@ -23,6 +23,7 @@ from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.model_runner import ModelRunner
+from runner_fakes import bare_runner
 
 VOCAB = 64
 WORDS = -(-VOCAB // 32)
@@ -252,19 +253,6 @@ def test_columns_cleared_after_the_batch_empties():
 
 
 # ------------------------------------------------------ through the runner
-class _NoModel:
-    def attention_layers(self):
-        return []
-
-
-class _NoCache:
-    gpu_cache: list = []
-
-
-class _Config:
-    vocab_size = VOCAB
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_runner_metadata_equals_from_params_under_preemption(mode):
     """The real `_update_states` from a Chapter 3 scheduler that preempts: the
@@ -273,7 +261,7 @@ def test_runner_metadata_equals_from_params_under_preemption(mode):
     if mode == "swap":
         kw.update(preemption_mode="swap", num_cpu_blocks=64)
     sched = Scheduler(SchedulerConfig(max_model_len=64, **kw), 12, 4, enable_prefix_caching=False)
-    runner = ModelRunner(_NoModel(), _Config(), _NoCache(), 4, 4, 64, "cpu")
+    runner = bare_runner(ModelRunner, VOCAB, 12, 4, 4)
     kinds = list(KINDS)
     for i in range(7):
         params = dict(KINDS[kinds[i % len(kinds)]], max_tokens=8 + i)  # stop id 0 is never sampled below

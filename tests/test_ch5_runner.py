@@ -16,22 +16,9 @@ import pytest
 from mini_vllm.scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 from mini_vllm.scheduler.request import SamplingParams
 
+from runner_fakes import bare_runner
+
 VOCAB = 500
-
-
-class _NoModel:
-    """The runner's constructor binds each attention layer to its KV pair; none here."""
-
-    def attention_layers(self):
-        return []
-
-
-class _NoCache:
-    gpu_cache: list = []
-
-
-class _Config:
-    vocab_size = VOCAB
 
 
 SCENARIOS = {
@@ -117,7 +104,7 @@ def check_inputs(runner, sched, so, out, block_size):
 def test_runner_mirrors_the_scheduler(chapter, name):
     cfg_kw, num_blocks, bs, caching = SCENARIOS[name]
     sched = Scheduler(SchedulerConfig(max_model_len=64, **cfg_kw), num_blocks, bs, enable_prefix_caching=caching)
-    runner = chapter("engine").ModelRunner(_NoModel(), _Config(), _NoCache(), bs, cfg_kw["max_num_seqs"], 64, "cpu")
+    runner = bare_runner(chapter("engine").ModelRunner, VOCAB, num_blocks, bs, cfg_kw["max_num_seqs"])
     for i, p in enumerate(prompts()):
         sched.add_request(Request(str(i), p, SamplingParams(max_tokens=6 + i, ignore_eos=True)))
     steps = 0

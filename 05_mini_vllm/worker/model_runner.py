@@ -148,12 +148,16 @@ class ModelRunner:
         max_blocks = max(1, int(-(-seq_lens.max() // self.block_size)))
         dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_table[:, :max_blocks])).to(dev),
-            cu_seqlens_q=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_table[:, :max_blocks])),
+            cu_seqlens_q=torch.from_numpy(query_start_loc),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()),
             query_lens_cpu=num_sched.tolist(), seq_lens_cpu=seq_lens.tolist())
+        # Checked once per step on the host copies, before the upload: on a GPU the same
+        # checks on device tensors would wait for the GPU five times per step.
+        md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
+        md = md.to(dev)
         # Logit rows: the last token of each sampling request, plus its draft rows.
         logit_rows, sample_req = [], []
         for i in np.flatnonzero(samples):
