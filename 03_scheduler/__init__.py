@@ -4,7 +4,8 @@ Mirrors `vllm/v1/request.py`, `vllm/v1/core/sched/output.py`,
 `vllm/v1/core/sched/scheduler.py` and `vllm/v1/outputs.py`.
 """
 from mini_vllm.scheduler.config import POLICIES, PREEMPTION_MODES, SchedulerConfig
-from mini_vllm.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mini_vllm.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+                                        SchedulerStats)
 from mini_vllm.scheduler.request import EngineCoreOutput, Request, RequestStatus, SamplingParams
 from mini_vllm.scheduler.scheduler import Scheduler
 from mini_vllm.scheduler.mini_runner import MiniRunner
@@ -12,6 +13,6 @@ from mini_vllm.scheduler.swap import CpuBlockPool
 
 __all__ = [
     "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
-    "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "EngineCoreOutput",
+    "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "SchedulerStats", "EngineCoreOutput",
     "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
 ]

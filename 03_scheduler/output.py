@@ -78,10 +78,28 @@ class SchedulerOutput:
     # Chapter 6: what the KV connector's worker side must load and save this step
     # (None without a connector); built by the scheduler's connector.
     kv_connector_metadata: object | None = None
+    # What this step means for the metrics, counted by the scheduler that decided it:
+    # prompt tokens computed (drafts and output tokens excluded), and the requests
+    # scheduled for the first time in their life (vLLM: their SCHEDULED event).
+    num_prompt_tokens: int = 0
+    first_scheduled_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
         return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler after a step, made by `Scheduler.make_stats`
+    (vLLM: `SchedulerStats` in `vllm/v1/metrics/stats.py`, made by the scheduler)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0     # tokens found, cumulative
+    num_preemptions: int = 0       # cumulative
 
 
 @dataclass

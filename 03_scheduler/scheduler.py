@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from .config import SchedulerConfig
-from .output import SchedulerOutput
+from .output import SchedulerOutput, SchedulerStats
 from .policy import running_order, waiting_order
 from .request import EngineCoreOutput, Request, RequestStatus
 from .step import StepState
@@ -123,7 +123,27 @@ class Scheduler:
         so = st.finish()
         if self.connector is not None:  # loads and saves for the worker-side connector
             so.kv_connector_metadata = self.connector.build_connector_meta(so)
+        self._count_for_stats(so)
         return so
+
+    def _count_for_stats(self, so: SchedulerOutput) -> None:
+        """The step's prompt tokens and first-time requests, for the metrics. Each
+        scheduled request has already advanced by its Δ, so the Δ tokens started at
+        num_computed_tokens - Δ; those below num_prompt_tokens are prompt tokens."""
+        reqs = self.requests
+        so.num_prompt_tokens = sum(
+            max(0, min(d, reqs[r].num_prompt_tokens - (reqs[r].num_computed_tokens - d)))
+            for r, d in so.num_scheduled_tokens.items())
+        # A request comes back through scheduled_new_reqs after a recompute
+        # preemption; only one never preempted is scheduled for the first time.
+        so.first_scheduled_req_ids = [nr.req_id for nr in so.scheduled_new_reqs
+                                      if reqs[nr.req_id].num_preemptions == 0]
+
+    def make_stats(self) -> SchedulerStats:
+        """This scheduler's counters after a step (vLLM: `Scheduler.make_stats`)."""
+        pc = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self.staging),
+                              self.kv_cache_manager.usage, pc.queries, pc.hits, self.num_preemptions)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output) -> list[EngineCoreOutput]:

@@ -249,3 +249,27 @@ def test_swap_round_trip_preserves_kv(mod):
         s.update_from_output(out, runner.execute(out, reqs))
         runner.check_cache(reqs)
     assert swaps[0] > 0 and swaps[0] == swaps[1], f"expected swap-outs matched by swap-ins: {swaps}"
+
+
+def test_step_counts_for_the_metrics(mod):
+    """The scheduler counts what its step means for the metrics: prompt tokens computed
+    (chunks add up to the prompt; a recompute preemption computes the prompt again) and
+    each request's first scheduling exactly once, never again after a preemption."""
+    s = make(mod, num_blocks=4, max_num_batched_tokens=5, caching=False)
+    a, b = req(mod, "a", 7, max_tokens=8, arrival=0), req(mod, "b", 7, max_tokens=8, arrival=1)
+    s.add_request(a)
+    s.add_request(b)
+    prompt_tokens, firsts, preemptions = 0, [], 0
+    for _ in range(80):
+        if not s.has_unfinished_requests():
+            break
+        out, _ = step(mod, s)
+        prompt_tokens += out.num_prompt_tokens
+        firsts += out.first_scheduled_req_ids
+        preemptions += len(out.preempted_req_ids)
+    assert preemptions >= 1, "the pool of 4 blocks must preempt for this test to mean anything"
+    assert sorted(firsts) == ["a", "b"], f"each request is scheduled for the first time once, got {firsts}"
+    assert 14 + 7 <= prompt_tokens <= 14 + 7 * preemptions, \
+        f"chunked prompts add up to 14 tokens, and a recomputed prompt counts again: got {prompt_tokens}"
+    stats = s.make_stats()
+    assert stats.num_preemptions == preemptions and stats.num_running_reqs == 0 == stats.num_waiting_reqs

@@ -69,8 +69,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len, n_cpu), n_gpu,
                                    config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                    connector=self.kv_connector)
-        self._seen: set[str] = set()
-        # Asynchronous scheduling: (future, SchedulerOutput, prompt tokens, stamps) of the
+        # Asynchronous scheduling: (future, SchedulerOutput, two timestamps) of the
         # batches submitted and not yet updated from; None when every step is synchronous.
         self.batch_queue: collections.deque | None = collections.deque() if config.async_scheduling else None
         self.batch_queue_size = 2
@@ -118,10 +117,10 @@ class EngineCore:
         """One synchronous step: schedule, execute, update; the next step is
         scheduled only once this one's tokens are known."""
         t0 = time.monotonic()
-        so, prompt_tokens = self._schedule()
+        so = self._schedule()
         t1 = time.monotonic()
         mro = self.executor.execute_model(so)
-        return self._update(so, mro, prompt_tokens, {"start": t0, "scheduled": t1, "executed": time.monotonic()})
+        return self._update(so, mro, {"start": t0, "scheduled": t1, "executed": time.monotonic()})
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """One step of asynchronous scheduling (vLLM's `step_with_batch_queue`).
@@ -135,17 +134,16 @@ class EngineCore:
         q = self.batch_queue
         if len(q) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             t0 = time.monotonic()
-            so, prompt_tokens = self._schedule()
+            so = self._schedule()
             if so.total_num_scheduled_tokens > 0 or not q:
-                q.append((self.executor.execute_model_async(so), so, prompt_tokens, t0, time.monotonic()))
+                q.append((self.executor.execute_model_async(so), so, t0, time.monotonic()))
                 if len(q) < self.batch_queue_size and so.total_num_scheduled_tokens > 0:
                     return None
         if not q:
             return None
-        fut, so, prompt_tokens, t0, t1 = q.popleft()
+        fut, so, t0, t1 = q.popleft()
         mro, t_exec, t2 = fut.result()  # a step that raised raises here: the engine is dead
-        out = self._update(so, mro, prompt_tokens,
-                           {"start": t0, "scheduled": t1, "execute_start": t_exec, "executed": t2})
+        out = self._update(so, mro, {"start": t0, "scheduled": t1, "execute_start": t_exec, "executed": t2})
         self._check_placeholders()
         return out
 
@@ -161,15 +159,9 @@ class EngineCore:
                     f"{n} step(s) in flight: a token that came back did not replace its placeholder")
 
     def _schedule(self):
-        so = self.scheduler.schedule()
-        # Prompt tokens in this step: schedule() already advanced each request by Δ.
-        reqs = self.scheduler.requests
-        prompt_tokens = sum(
-            max(0, min(d, reqs[r].num_prompt_tokens - (reqs[r].num_computed_tokens - d)))
-            for r, d in so.num_scheduled_tokens.items())
-        return so, prompt_tokens
+        return self.scheduler.schedule()
 
-    def _update(self, so, mro, prompt_tokens: int, stamps: dict[str, float]) -> EngineCoreOutputs:
+    def _update(self, so, mro, stamps: dict[str, float]) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(so, mro)
         if mro.spec_token_ids:  # the proposer's drafts, for the next schedule()
             self.scheduler.update_draft_token_ids(mro.spec_token_ids)
@@ -179,14 +171,10 @@ class EngineCore:
             if o.request_id in lps:
                 o.logprobs = lps[o.request_id][:len(o.new_token_ids)]
             o.prompt_logprobs = plps.get(o.request_id)
-        res = EngineCoreOutputs(outputs, self.make_stats(), num_prompt_tokens_computed=prompt_tokens)
-        for nr in so.scheduled_new_reqs:
-            if nr.req_id not in self._seen:
-                self._seen.add(nr.req_id)
-                res.first_scheduled.append(nr.req_id)
-        self._seen -= so.finished_req_ids
-        res.timestamps = {**stamps, "updated": time.monotonic()}
-        return res
+        # Every number here was counted by its owner: the scheduler, when it decided the step.
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), first_scheduled=list(so.first_scheduled_req_ids),
+                                 num_prompt_tokens_computed=so.num_prompt_tokens,
+                                 timestamps={**stamps, "updated": time.monotonic()})
 
     def spec_decoding_stats(self) -> dict | None:
         """Acceptance rate and per-position acceptance of verified drafts: the
@@ -197,7 +185,4 @@ class EngineCore:
         return None if stats is None else dataclasses.asdict(stats)
 
     def make_stats(self) -> SchedulerStats:
-        s = self.scheduler
-        pc = s.kv_cache_manager.prefix_cache_stats
-        return SchedulerStats(len(s.running), len(s.waiting) + len(s.staging),
-                              s.kv_cache_manager.usage, pc.queries, pc.hits, s.num_preemptions)
+        return self.scheduler.make_stats()

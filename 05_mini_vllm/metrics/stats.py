@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Made by the scheduler that owns the counters (Chapter 3); re-exported for the metrics' readers.
+from mini_vllm.scheduler import SchedulerStats  # noqa: F401
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
     if not values:
@@ -17,18 +21,6 @@ def percentile(values: list[float], q: float) -> float | None:
     xs = sorted(values)
     k = max(0, min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1)))))
     return xs[k]
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler after a step (vLLM: `SchedulerStats`)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0  # tokens looked up, cumulative
-    prefix_cache_hits: int = 0     # tokens found, cumulative
-    num_preemptions: int = 0       # cumulative
 
 
 @dataclass
