@@ -12,13 +12,19 @@ You write four methods:
 - `StepState.pick_victim`: which running request to preempt;
 - `StepState.try_admit`: admit one waiting request if its first chunk fits;
 - `Scheduler.schedule`: the step loop (fcfs / priority, then srtf / two_level).
+Then two short ones, the placeholder rule of asynchronous scheduling (the
+next step is scheduled before this one's tokens are back;
+`tests/test_ch3_async_placeholders.py`):
+- `StepState._update_after_schedule`: advance a scheduled request; count a
+  placeholder for the token its step will sample;
+- `Scheduler._replace_placeholder`: that token arrived.
 
 Given: `Request` and its two numbers, the queues and policy orders
 (`running_order`, `waiting_order`), and in `StepState` the budget and
 records, `delta`, `remaining`, `_hits`, `refresh`, `preempt` (recompute or
 swap), `_commit_running`, `_commit_admission` (the bookkeeping once blocks are
-allocated) and `finish`; in `Scheduler` everything but `schedule`
-(`update_from_output`, stop rules, aborts). The given classes are copies
+allocated) and `finish`; in `Scheduler` everything but `schedule` and
+`_replace_placeholder` (`update_from_output`, stop rules, aborts). The given classes are copies
 of the reference *without* your methods (see `_given`), so a method you have
 not written raises instead of quietly running the reference's answer.
 vLLM counterpart: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`).
@@ -46,7 +52,7 @@ __all__ = [
 _given = given_class  # a copy of the reference class without the lesson's methods
 
 
-class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_admit")):
+class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_admit", "_update_after_schedule")):
     """One step's state: `self.s` the scheduler, `self.kv` its KVCacheManager,
     `self.cfg` its config, `self.budget` tokens left, `self.num_scheduled`
     {req_id: Δ} so far, `self.preempted` ids preempted in this step.
@@ -84,7 +90,28 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
             "reference also asks a Chapter 6 KV connector; these tests run without one.)")
 
 
-class Scheduler(_given(_sched.Scheduler, "schedule")):
+    def _update_after_schedule(self, req, d: int) -> bool:
+        """TODO: `req` was scheduled for Δ = d tokens; advance it. True if this step samples for it."""
+        raise NotImplementedError(
+            "_update_after_schedule(req, d) -> bool, called by finish() once per scheduled request. Contract: "
+            "returns True iff this step samples a token for req: its Δ reaches the end of every position "
+            "whose token is known or in flight (req.num_tokens + req.num_output_placeholders; a "
+            "mid-prefill chunk does not reach it, draft positions count as reached). With "
+            "self.cfg.async_scheduling that token is now in flight: req holds one more output placeholder "
+            "until it arrives. Afterwards req.num_computed_tokens has advanced by d and its drafts "
+            "(req.spec_token_ids) are consumed.")
+
+
+class Scheduler(_given(_sched.Scheduler, "schedule", "_replace_placeholder")):
+    def _replace_placeholder(self, req, sampled: list[int]) -> bool:
+        """TODO: the tokens `sampled` of one step arrived for `req`; True if they fill a placeholder."""
+        raise NotImplementedError(
+            "_replace_placeholder(req, sampled) -> bool, called by update_from_output for every request that "
+            "sampled. Contract: False, and nothing changes, when req holds no output placeholder "
+            "(synchronous scheduling). Otherwise the arrival replaces one placeholder, and because the "
+            "runner appended these tokens itself, they count as already sent to it (req.num_tokens_sent, "
+            "when not None, grows by their number; the next step's new_token_ids must not repeat them).")
+
     def schedule(self) -> SchedulerOutput:
         """TODO: one scheduling step; returns `st.finish()`."""
         raise NotImplementedError(

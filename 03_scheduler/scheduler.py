@@ -196,11 +196,7 @@ class Scheduler:
                 req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
             if not sampled:
                 continue  # mid-prefill chunk: nothing is sampled yet
-            placeholder = req.num_output_placeholders > 0
-            if placeholder:  # asynchronous: the token in flight has arrived
-                req.num_output_placeholders -= 1
-                if req.num_tokens_sent is not None:
-                    req.num_tokens_sent += len(sampled)  # the runner appended it itself
+            placeholder = self._replace_placeholder(req, sampled)
             new_ids: list[int] = []
             status = None
             for tok in sampled:
@@ -222,6 +218,18 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req.request_id, new_ids, reason, rejected,
                                             max(req.num_cached_tokens, 0)))
         return outputs
+
+    def _replace_placeholder(self, req, sampled: list[int]) -> bool:
+        """Tokens of one step arrived for `req`: True if they fill a placeholder
+        (asynchronous scheduling counted one when the step was scheduled), which
+        they then replace; the runner appended them already, so they count as sent
+        (vLLM: `AsyncScheduler._update_request_with_output`)."""
+        if req.num_output_placeholders == 0:
+            return False  # synchronous, or a step scheduled before any was counted
+        req.num_output_placeholders -= 1
+        if req.num_tokens_sent is not None:
+            req.num_tokens_sent += len(sampled)  # the runner appended them itself
+        return True
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Drafts a proposer made for the next `schedule()` (vLLM's method of the

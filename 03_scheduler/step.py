@@ -233,6 +233,19 @@ class StepState:
             self.new_reqs.append((req, block_ids))
 
     # ------------------------------------------------------------- output
+    def _update_after_schedule(self, req, d: int) -> bool:
+        """A scheduled request's Δ is decided: advance it; True if this step samples
+        a token for it (vLLM: `Scheduler._update_after_schedule`, and the placeholder
+        count of `AsyncScheduler`'s override)."""
+        # Samples iff the step reaches the end of its known tokens and placeholders (a
+        # mid-prefill chunk does not); drafts count as reached.
+        samples = req.num_computed_tokens + d >= req.num_tokens + req.num_output_placeholders
+        if samples and self.cfg.async_scheduling:
+            req.num_output_placeholders += 1  # its token is now in flight
+        req.num_computed_tokens += d
+        req.spec_token_ids = []  # consumed (or trimmed away) this step
+        return samples
+
     def finish(self) -> SchedulerOutput:
         s = self.s
         out = SchedulerOutput(
@@ -260,15 +273,8 @@ class StepState:
                 new_token_ids=req.all_token_ids[req.num_tokens_sent:], replace_block_ids=replace))
             req.num_tokens_sent = req.num_tokens
         for rid, d in self.num_scheduled.items():
-            req = s.requests[rid]
-            # Samples this step iff the step reaches the end of its known tokens and
-            # placeholders (a mid-prefill chunk does not); drafts count as reached.
-            if req.num_computed_tokens + d >= req.num_tokens + req.num_output_placeholders:
+            if self._update_after_schedule(s.requests[rid], d):
                 out.sampling_req_ids.add(rid)
-                if self.cfg.async_scheduling:
-                    req.num_output_placeholders += 1  # its token is now in flight
-            req.num_computed_tokens += d
-            req.spec_token_ids = []  # consumed (or trimmed away) this step
         if self.cpu_to_free:
             s.cpu_block_pool.free(self.cpu_to_free)
         s.num_steps += 1

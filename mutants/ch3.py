@@ -148,4 +148,30 @@ MUTANTS: list[Mutant] = [
         tests=TESTS,
         why="rejected draft tokens are not rolled back from num_computed_tokens",
     ),
+    Mutant(
+        name="placeholder_never_subtracted",
+        path=SCHED,
+        old="""        req.num_output_placeholders -= 1
+        if req.num_tokens_sent""",
+        new="""        if req.num_tokens_sent""",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="a token that arrives under async scheduling leaves its placeholder behind: positions run ahead",
+    ),
+    Mutant(
+        name="placeholder_for_a_step_that_does_not_sample",
+        path=STEP,
+        old="if samples and self.cfg.async_scheduling:",
+        new="if self.cfg.async_scheduling:",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="a mid-prefill chunk counts a placeholder for a token no step will sample",
+    ),
+    Mutant(
+        name="appended_token_sent_again",
+        path=SCHED,
+        old="req.num_tokens_sent += len(sampled)  # the runner appended them itself",
+        new="pass  # the runner appended them itself",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="tokens the runner appended itself are sent to it again in the next step's new_token_ids",
+    ),
 ]
+

@@ -125,8 +125,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="placeholder_never_subtracted",
         path="03_scheduler/scheduler.py",
-        old="                req.num_output_placeholders -= 1",
-        new="                req.num_output_placeholders -= 0",
+        old="        req.num_output_placeholders -= 1",
+        new="        req.num_output_placeholders -= 0",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
         why="a token that came back never replaces its placeholder: the scheduler computes positions "
             "whose tokens do not exist",

@@ -39,9 +39,10 @@ for _name in ("get_computed_blocks", "free"):
     setattr(KVCacheManager, _name, getattr(_km.KVCacheManager, _name))
 """),
     "3": ("03_scheduler/exercise.py", """
-for _name in ("schedule_running", "pick_victim", "try_admit"):
+for _name in ("schedule_running", "pick_victim", "try_admit", "_update_after_schedule"):
     setattr(StepState, _name, getattr(_step.StepState, _name))
 Scheduler.schedule = _sched.Scheduler.schedule
+Scheduler._replace_placeholder = _sched.Scheduler._replace_placeholder
 """),
     "4": ("04_spec_decode/exercise.py", """
 from .rejection_sampler import recover_token, rejection_sample_request

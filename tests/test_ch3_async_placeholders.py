@@ -1,0 +1,98 @@
+"""Chapter 3: the placeholder rule of asynchronous scheduling (runs under --impl=exercise).
+
+With `async_scheduling=True` the engine schedules step N + 1 before step N's
+tokens are back. A request whose step samples gets one **output placeholder**
+(`StepState._update_after_schedule`): the next schedule computes that token's
+position ahead as if it were known. When the token arrives, it replaces the
+placeholder (`Scheduler._replace_placeholder`), and since the runner already
+appended it, it counts as sent. The oracle is the same workload scheduled
+synchronously: the scheduler must emit the same tokens, finish the same way
+and give back every block, with one placeholder per sampling step in flight, never more.
+"""
+from collections import deque
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def mod(chapter):
+    return chapter("scheduler")
+
+
+def token(rid: str, index: int) -> int:
+    """The runner's deterministic 'model': the index-th output of request rid."""
+    return 2 + (sum(map(ord, rid)) * 7 + index * 13) % 50
+
+
+def drive(mod, async_scheduling: bool, chunked: bool = True, num_blocks: int = 64):
+    """Run a workload to the end; async keeps two steps in flight (vLLM's batch queue)."""
+    cfg = mod.SchedulerConfig(max_model_len=128, max_num_batched_tokens=16 if chunked else 128, max_num_seqs=4,
+                              async_scheduling=async_scheduling, enable_chunked_prefill=chunked)
+    s = mod.Scheduler(cfg, num_blocks, 4, enable_prefix_caching=True)
+    reqs = [mod.Request(f"r{i}", [3 + (i * 5 + j) % 40 for j in range(5 + 4 * i)],
+                        mod.SamplingParams(max_tokens=4 + i, stop_token_ids=(0,)), eos_token_id=1,
+                        arrival_time=float(i)) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    outputs = {r.request_id: [] for r in reqs}
+    trace, inflight, max_ph = [], deque(), 0
+    for _ in range(500):
+        if not (s.has_unfinished_requests() or inflight):
+            break
+        if s.has_unfinished_requests() and len(inflight) < (2 if async_scheduling else 1):
+            so = s.schedule()
+            trace.append(so)
+            inflight.append(so)
+            max_ph = max([max_ph] + [r.num_output_placeholders for r in reqs])
+            if async_scheduling and len(inflight) < 2 and so.total_num_scheduled_tokens:
+                continue  # the next step is scheduled before this one's tokens are back
+        so = inflight.popleft()
+        toks = {}
+        for rid in so.num_scheduled_tokens:
+            req = s.requests.get(rid)
+            sampled = rid in so.sampling_req_ids
+            toks[rid] = [token(rid, len(outputs[rid]))] if sampled and req is not None else []
+        for out in s.update_from_output(so, mod.ModelRunnerOutput.from_dict(toks)):
+            outputs[out.request_id] += out.new_token_ids
+    else:
+        pytest.fail("the workload did not finish in 500 steps")
+    return s, reqs, outputs, trace, max_ph
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_async_emits_the_synchronous_tokens(mod, chunked):
+    _, sync_reqs, want, _, _ = drive(mod, False, chunked)
+    s, reqs, got, _, _ = drive(mod, True, chunked)
+    assert got == want, ("asynchronous scheduling changed the tokens: a placeholder was counted for a step "
+                         "that does not sample, or a token did not replace its placeholder")
+    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs]
+    assert s.kv_cache_manager.usage == 0.0, "blocks leaked after every request finished"
+
+
+def test_placeholders_are_bounded_and_all_replaced(mod):
+    _, reqs, _, _, max_ph = drive(mod, True)
+    assert max_ph == 2, (f"a request held {max_ph} placeholders with two steps in flight: one is counted per "
+                         "sampling step and replaced when its token arrives (never subtracted?)" if max_ph > 2
+                         else "a decoding request never had a placeholder for each of the two steps in flight: "
+                              "asynchronous scheduling did not compute ahead")
+    assert all(r.num_output_placeholders == 0 for r in reqs), "a placeholder outlived its token"
+
+
+def test_decoding_requests_are_computed_ahead(mod):
+    """Under async, a decoding request is scheduled in consecutive steps although the
+    token of the first is not back yet: its placeholder stands for that position."""
+    _, _, _, trace, _ = drive(mod, True)
+    ahead = sum(1 for a, b in zip(trace, trace[1:]) for rid in a.sampling_req_ids & set(b.num_scheduled_tokens))
+    assert ahead > 0, "no request was scheduled again before its token came back: the placeholder was not counted"
+
+
+def test_tokens_the_runner_appended_are_not_sent_again(mod):
+    """The runner appends the tokens it sampled itself under async; the scheduler must
+    count them as sent, or the next step's new_token_ids would hand them over twice."""
+    _, reqs, outputs, trace, _ = drive(mod, True)
+    resent = {}
+    for so in trace:
+        for cr in so.scheduled_cached_reqs:
+            if cr.new_token_ids and not cr.resumed_from_preemption:
+                resent[cr.req_id] = resent.get(cr.req_id, 0) + len(cr.new_token_ids)
+    assert not resent, f"tokens sent again to a runner that appended them itself: {resent}"
