@@ -67,7 +67,10 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
             "ends either scheduled for its Δ, with KV slots for its new tokens and its drafts as lookahead "
             "slots (self.kv.allocate_slots), recorded by self._commit_running; or, when the slots do not "
             "fit, after preempting running requests (self.pick_victim, self.preempt) until they do. If it "
-            "is itself the victim, it is not scheduled in this step.")
+            "is itself the victim, it is not scheduled in this step. Under asynchronous scheduling, positions "
+            "whose token is still in flight (req.num_output_placeholders) count as known: computed ahead "
+            "like known tokens, never as drafts; a request whose token in flight is its last (it reaches "
+            "max_tokens or max_model_len) gets nothing.")
 
     def pick_victim(self):
         """TODO: the running request to preempt."""
