@@ -35,12 +35,8 @@ from typing import Any
 
 from .block_hash import hash_request_tokens
 from .block_pool import BlockPool
-from .kv_cache_utils import KVCacheBlock
+from .kv_cache_utils import KVCacheBlock, cdiv
 from .stats import PrefixCacheStats
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -167,7 +163,7 @@ class KVCacheManager:
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        num_required = _cdiv(num_total, self.block_size)
+        num_required = cdiv(num_total, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
 
         # Copy-on-write: existing blocks that this step writes into and that

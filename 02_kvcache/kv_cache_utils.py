@@ -19,6 +19,11 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints >= 0: the blocks that `a` tokens need (vLLM: `vllm.utils.cdiv`)."""
+    return -(-a // b)
+
+
 class KVCacheBlock:
     """One physical KV block: its id, how many requests hold it, its content hash.
 

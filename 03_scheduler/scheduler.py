@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from mini_vllm.kvcache.kv_cache_utils import cdiv  # Chapter 2
+
 from .config import SchedulerConfig
 from .output import SchedulerOutput, SchedulerStats
 from .policy import running_order, waiting_order
 from .request import EngineCoreOutput, Request, RequestStatus
 from .step import StepState
 from .swap import CpuBlockPool
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:
@@ -49,7 +47,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self.num_steps = 0
         # Chapter 6: an optional KV connector (scheduler side), called duck-typed;
         # Chapter 3 never imports Chapter 6.
         self.connector = connector
@@ -200,8 +197,7 @@ class Scheduler:
             new_ids: list[int] = []
             status = None
             for tok in sampled:
-                req._output_token_ids.append(tok)  # one token at a time: stop rules
-                req._all_token_ids.append(tok)     # may cut a multi-token output
+                req.append_output_token_ids(tok)  # one token at a time: stop rules may cut a multi-token output
                 new_ids.append(tok)
                 status = self._check_stop(req, tok)
                 if status is not None:

@@ -9,12 +9,10 @@ except a recompute preemption (reset to 0) and admission (prefix hits).
 """
 from __future__ import annotations
 
+from mini_vllm.kvcache.kv_cache_utils import cdiv  # Chapter 2
+
 from .output import CachedRequestData, NewRequestData, SchedulerOutput
 from .request import RequestStatus
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _new_request_data(req, block_ids) -> NewRequestData:
@@ -277,5 +275,4 @@ class StepState:
                 out.sampling_req_ids.add(rid)
         if self.cpu_to_free:
             s.cpu_block_pool.free(self.cpu_to_free)
-        s.num_steps += 1
         return out
