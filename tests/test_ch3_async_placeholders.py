@@ -44,6 +44,11 @@ def drive(mod, async_scheduling: bool, chunked: bool = True, num_blocks: int = 6
             trace.append(so)
             inflight.append(so)
             max_ph = max([max_ph] + [r.num_output_placeholders for r in reqs])
+            over = {r.request_id: r.num_output_placeholders for r in reqs
+                    if r.num_output_placeholders > len(inflight)}
+            assert not over, (f"placeholders {over} with {len(inflight)} step(s) in flight: each one must stand "
+                              "for a token a step in flight will sample (a placeholder never subtracted when its "
+                              "token arrived, or counted for a step that samples nothing?)")
             if async_scheduling and len(inflight) < 2 and so.total_num_scheduled_tokens:
                 continue  # the next step is scheduled before this one's tokens are back
         so = inflight.popleft()
