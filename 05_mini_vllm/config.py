@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from mini_vllm.attention.backends import BACKEND_NAMES
-from mini_vllm.compilation.config import CompilationConfig
+from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
 # vLLM's `LogprobsMode` (vllm/config/model.py): what a request's logprobs describe.
@@ -114,13 +114,13 @@ class EngineConfig:
         self.compilation = CompilationConfig.from_any(self.compilation_config).resolve(
             torch.device(self.device).type, self.max_num_seqs if isinstance(self.max_num_seqs, int) else 1,
             self.enforce_eager)
-        if self.tensor_parallel_size > 1 and self.compilation.cudagraph_mode.name != "NONE":
+        if self.tensor_parallel_size > 1 and self.compilation.cudagraph_mode != CUDAGraphMode.NONE:
             # Each rank would capture its collectives in its own graphs; not built here.
             explicit = isinstance(self.compilation_config, dict) and "cudagraph_mode" in self.compilation_config
             if explicit:
                 raise ValueError("compilation_config.cudagraph_mode must be NONE when tensor_parallel_size > 1, "
                                  f"got {self.compilation.cudagraph_mode.name}")
-            self.compilation.cudagraph_mode = type(self.compilation.cudagraph_mode).NONE
+            self.compilation.cudagraph_mode = CUDAGraphMode.NONE
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.async_scheduling:
