@@ -29,8 +29,8 @@ def test_store_contract(master):
 
 def test_two_engines_share_mooncake(master):
     from engine_utils import make_llm
-    from test_ch6_engine import (BS, assert_same_as_reference, computed_per_request, flush,
-                                 greedy_logprobs, prompts_with_prefix, record_scheduled)
+    from global_cache_utils import (BS, assert_same_as_reference, computed_per_request, flush,
+                                    greedy_logprobs, prompts_with_prefix, recording_llm)
     tc = {"kv_connector": "GlobalCacheConnector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"backend": "mooncake", "url": master.master_address,
                                         "metadata_server": master.metadata_server,
@@ -40,8 +40,7 @@ def test_two_engines_share_mooncake(master):
     a = make_llm(kv_transfer_config=tc)
     greedy_logprobs(a, [pa], 2)
     flush(a)
-    b = make_llm(kv_transfer_config=tc)
-    log = record_scheduled(b)
+    b, log = recording_llm(kv_transfer_config=tc)
     pb = [prefix + t for t in tails]
     assert_same_as_reference(greedy_logprobs(b, pb, 3), greedy_logprobs(make_llm(), pb, 3), "engine B")
     per_req = computed_per_request(log)

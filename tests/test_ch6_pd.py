@@ -68,7 +68,7 @@ def test_max_tokens_one_never_reaches_the_decode_engine(pd_pair):
 def test_hand_off_through_a_valkey_server():
     """The same hand-off through a shared server (two engines in this process;
     test_ch6_valkey.py covers two processes on one server)."""
-    from test_ch6_engine import recording_llm
+    from global_cache_utils import recording_llm
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 6000) for _ in range(n)] for n in (50, 16, 3)]
     with ValkeyServerProcess() as srv:

@@ -15,8 +15,8 @@ import redis
 
 from engine_utils import make_llm, run_greedy
 from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
-from test_ch6_engine import (BS, assert_same_as_reference, computed_per_request, flush,
-                             greedy_logprobs, prompts_with_prefix, recording_llm, with_impl)
+from global_cache_utils import (BS, assert_same_as_reference, computed_per_request, flush,
+                                greedy_logprobs, prompts_with_prefix, recording_llm, with_impl)
 
 
 @pytest.fixture(scope="module")

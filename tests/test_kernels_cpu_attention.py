@@ -10,7 +10,6 @@ backends are checked against too.
 fp32 cases come first in the file: a planted mistake fails there before the
 16-bit variant of the kernel is compiled (seconds under `make mutants`).
 """
-import contextlib
 import os
 import subprocess
 import sys
@@ -25,22 +24,11 @@ from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels import cpu_paged_attention as cpa
 from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode, paged_attention_varlen
+from kernel_cases import BAD, BAD_VARLEN, good_args, raised_message, scrambled_layout, torch_threads
 from oracles import dense_causal_attention
-from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
-from test_kernels_paged_attention import BAD, BAD_VARLEN, _good, _raise_message, scrambled_layout
+from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch (and so the kernel) on n threads inside the block, then as before."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def build_cache(batch, layout, shape, dtype, seed, values=None):
@@ -470,14 +458,14 @@ def test_backend_reads_blocks_another_sequence_writes_in_the_same_step(data):
 
 @pytest.mark.parametrize("field,change,word", BAD + BAD_VARLEN)
 def test_bad_input_matches_reference(field, change, word):
-    args = {**_good(), **change}
-    msg = _raise_message(paged_attention_varlen, **args)
+    args = {**good_args(), **change}
+    msg = raised_message(paged_attention_varlen, **args)
     assert word in msg, f"error for bad {field} must name it: {msg!r}"
-    assert msg == _raise_message(ref.paged_attention_varlen, **args), "cpu kernel and reference must reject alike"
+    assert msg == raised_message(ref.paged_attention_varlen, **args), "cpu kernel and reference must reject alike"
 
 
 def test_strided_cache_is_rejected_not_copied():
-    args = _good()
+    args = good_args()
     args["key_cache"] = torch.zeros(4, 2, 8, 16).transpose(1, 2)  # the shape of the cache, other strides
     with pytest.raises(ValueError, match="key_cache must be contiguous"):
         paged_attention_varlen(**args)

@@ -15,7 +15,7 @@ from mini_vllm.models import cpu_ops
 from mini_vllm.models.layers import ParallelLMHead, RMSNorm, SiluAndMul
 from mini_vllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from mini_vllm.models.rotary import RotaryEmbedding
-from test_kernels_cpu_attention import torch_threads
+from kernel_cases import torch_threads
 
 SHAPES = [(1, 8), (7, 64), (300, 256), (33, 96)]
 

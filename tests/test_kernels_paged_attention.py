@@ -16,8 +16,9 @@ from hypothesis import given, settings, strategies as st
 from mini_vllm.kernels import paged_attention as kpa
 from mini_vllm.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
 from mini_vllm.kernels.reshape_and_cache import reshape_and_cache
+from kernel_cases import BAD, BAD_VARLEN, good_args, raised_message, scrambled_layout
 from oracles import dense_causal_attention
-from strategies import BlockLayout, GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
+from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
 ref = pytest.importorskip("mini_vllm.paged_attention")
 
@@ -111,18 +112,6 @@ def test_decode_kernel_matches_oracle_and_reference(case):
     check_decode(*case)
 
 
-def scrambled_layout(seq_lens, block_size, seed, spare=3):
-    """Non-contiguous block tables from a shuffled pool, rows padded with -1."""
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + spare
-    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    rows, p = [], 0
-    for n in needed:
-        rows.append(tuple(ids[p:p + n]) + (-1,) * (max(needed) + 1 - n))
-        p += n
-    return BlockLayout(num_blocks, block_size, tuple(rows))
-
-
 # Every GQA ratio x block size once, on one batch mixing a decode, a whole
 # prefill (not a multiple of the block size) and a chunk after earlier tokens.
 MIXED = RaggedBatch(seq_lens=(13, 21, 40), q_lens=(1, 21, 11))
@@ -184,55 +173,21 @@ def test_reshape_and_cache_scatters_and_skips_padding(data):
 
 # --- bad input: same ValueError (type and message) as the reference ----------
 
-def _good():
-    key_cache = torch.zeros(4, 8, 2, 16)  # CPU: validation fails before any launch
-    return dict(query=torch.zeros(2, 4, 16), key_cache=key_cache, value_cache=torch.zeros_like(key_cache),
-                block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32),
-                cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
-                seq_lens=torch.tensor([9, 3], dtype=torch.int32), scale=0.25)
-
-
-BAD = [
-    ("query", dict(query=torch.zeros(2, 4, 8)), "head_dim"),
-    ("query", dict(query=torch.zeros(2, 3, 16)), "num_heads"),
-    ("query", dict(query=torch.zeros(2, 4, 16, dtype=torch.float64)), "query"),
-    ("value_cache", dict(value_cache=torch.zeros(4, 8, 2, 16, dtype=torch.float16)), "value_cache"),
-    ("block_tables", dict(block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int64)), "block_tables"),
-    ("block_tables", dict(block_tables=torch.tensor([[0, -1], [2, -1]], dtype=torch.int32)), "block_tables"),
-    ("block_tables", dict(block_tables=torch.tensor([[0, 4], [2, -1]], dtype=torch.int32)), "block_tables"),
-    ("seq_lens", dict(seq_lens=torch.tensor([17, 3], dtype=torch.int32)), "seq_lens"),
-    ("seq_lens", dict(seq_lens=torch.tensor([0, 3], dtype=torch.int32)), "seq_lens"),
-    ("scale", dict(scale=0.0), "scale"),
-]
-BAD_VARLEN = [
-    ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)), "cu_seqlens_q"),
-    ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 0, 2], dtype=torch.int32)), "cu_seqlens_q"),
-    ("cu_seqlens_q", dict(query=torch.zeros(5, 4, 16), cu_seqlens_q=torch.tensor([0, 1, 5], dtype=torch.int32)),
-     "cu_seqlens_q"),
-]
-
-
-def _raise_message(fn, **kw):
-    with pytest.raises(ValueError) as info:
-        fn(**kw)
-    return str(info.value)
-
-
 @pytest.mark.parametrize("field,change,word", BAD + BAD_VARLEN)
 def test_varlen_bad_input_matches_reference(field, change, word):
-    args = {**_good(), **change}
-    msg = _raise_message(paged_attention_varlen, **args)
+    args = {**good_args(), **change}
+    msg = raised_message(paged_attention_varlen, **args)
     assert word in msg, f"error for bad {field} must name it: {msg!r}"
-    assert msg == _raise_message(ref.paged_attention_varlen, **args), "kernel and reference must reject alike"
+    assert msg == raised_message(ref.paged_attention_varlen, **args), "kernel and reference must reject alike"
 
 
 @pytest.mark.parametrize("field,change,word", BAD)
 def test_decode_bad_input_matches_reference(field, change, word):
-    args = {**_good(), **change}
+    args = {**good_args(), **change}
     del args["cu_seqlens_q"]
-    msg = _raise_message(paged_attention_decode, **args)
+    msg = raised_message(paged_attention_decode, **args)
     assert word in msg, f"error for bad {field} must name it: {msg!r}"
-    assert msg == _raise_message(ref.paged_attention_decode, **args), "kernel and reference must reject alike"
+    assert msg == raised_message(ref.paged_attention_decode, **args), "kernel and reference must reject alike"
 
 
 @pytest.mark.parametrize("change,word", [
@@ -248,6 +203,6 @@ def test_reshape_and_cache_bad_input_matches_reference(change, word):
     args = dict(key=torch.zeros(2, 2, 16), value=torch.zeros(2, 2, 16), key_cache=key_cache,
                 value_cache=torch.zeros_like(key_cache), slot_mapping=torch.tensor([0, 1]))
     args.update(change)
-    msg = _raise_message(reshape_and_cache, **args)
+    msg = raised_message(reshape_and_cache, **args)
     assert word in msg, f"error must name {word}: {msg!r}"
-    assert msg == _raise_message(ref.reshape_and_cache, **args), "kernel and reference must reject alike"
+    assert msg == raised_message(ref.reshape_and_cache, **args), "kernel and reference must reject alike"
