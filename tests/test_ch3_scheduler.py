@@ -206,10 +206,16 @@ def test_abort_in_every_state(mod):
         step(mod, s)
     states = {r.status.name for r in rs}
     s.finish_requests([r.request_id for r in rs], mod.RequestStatus.FINISHED_ABORTED)
-    assert all(r.get_finished_reason() == "abort" for r in rs), states
-    assert s.kv_cache_manager.num_free_blocks == 6 and s.cpu_block_pool.num_free_blocks == 8
+    assert all(r.get_finished_reason() == "abort" for r in rs), \
+        f"an abort must finish a request in every state it can be in (states before: {states})"
+    assert s.kv_cache_manager.num_free_blocks == 6, \
+        f"aborted requests kept {6 - s.kv_cache_manager.num_free_blocks} GPU blocks: an abort must free them"
+    assert s.cpu_block_pool.num_free_blocks == 8, \
+        (f"aborted requests kept {8 - s.cpu_block_pool.num_free_blocks} CPU blocks: a swapped-out request's "
+         "blocks must be freed on abort too")
     out = s.schedule()
-    assert out.finished_req_ids == {r.request_id for r in rs} and not out.num_scheduled_tokens
+    assert out.finished_req_ids == {r.request_id for r in rs} and not out.num_scheduled_tokens, \
+        "the next step must tell the runner every aborted request, and schedule none of them"
 
 
 @given(lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=12),
