@@ -124,4 +124,5 @@ class Scheduler(_given(_sched.Scheduler, "schedule", "_replace_placeholder")):
             "stops admission (no request overtakes it, or it could starve). srtf / two_level: seed 001 "
             "Algorithm 2, the request with the least remaining work goes first, running or waiting "
             "(ties to the running one); a failed admission ends admission but running requests are "
-            "still served. The budget (max_num_batched_tokens) and max_num_seqs are never exceeded.")
+            "still served. Under every policy, no waiting request is admitted in a step that has "
+            "preempted one. The budget (max_num_batched_tokens) and max_num_seqs are never exceeded.")

@@ -173,5 +173,13 @@ MUTANTS: list[Mutant] = [
         tests=["tests/test_ch3_async_placeholders.py"],
         why="tokens the runner appended itself are sent to it again in the next step's new_token_ids",
     ),
+    Mutant(
+        name="srtf_admits_after_preemption",
+        path=SCHED,
+        old="admit_ok = cands and not st.preempted and len(self.running) < cfg.max_num_seqs",
+        new="admit_ok = cands and len(self.running) < cfg.max_num_seqs",
+        tests=TESTS,
+        why="srtf admits a waiting request into the blocks a preemption just freed, in the same step",
+    ),
 ]
 

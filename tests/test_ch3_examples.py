@@ -104,6 +104,23 @@ def test_no_admission_in_a_step_that_preempted(mod):
         "for running requests; re-admitting the victim at once just thrashes)")
 
 
+def test_srtf_no_admission_in_a_step_that_preempted(mod):
+    """The same rule under srtf, where admission and running requests interleave:
+    4 blocks of 4; A and B fill the pool, each decode needs a new block, and a
+    1-token C waits. A's decode preempts B; C would fit in a block B freed."""
+    s = make(mod, num_blocks=4, policy="srtf")
+    add(s, req(mod, "A", 8, 8, 0), req(mod, "B", 7, 8, 1))
+    step(mod, s)  # A and B prefill: 2 blocks each, the pool is full
+    add(s, req(mod, "C", 1, 4, 2))
+    out = step(mod, s)
+    assert "B" in out.preempted_req_ids, (
+        f"preempted {out.preempted_req_ids}: A's decode needs a block and only B can give one back "
+        "(the latest arrival of equal priority)")
+    assert "C" not in out.num_scheduled_tokens, (
+        f"srtf admitted C in the step that preempted B ({out.num_scheduled_tokens}): after a "
+        "preemption no waiting request is admitted in the same step, under any policy")
+
+
 def test_chunked_prefill_off_admits_whole_prompts_only(mod):
     """Budget 16: A and A2 decode (2 tokens), B's 15-token prompt needs 15 of the 14 left."""
     s = make(mod, num_blocks=16, max_num_batched_tokens=16, enable_chunked_prefill=False)
