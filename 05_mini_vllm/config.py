@@ -116,8 +116,7 @@ class EngineConfig:
             self.enforce_eager)
         if self.tensor_parallel_size > 1 and self.compilation.cudagraph_mode != CUDAGraphMode.NONE:
             # Each rank would capture its collectives in its own graphs; not built here.
-            explicit = isinstance(self.compilation_config, dict) and "cudagraph_mode" in self.compilation_config
-            if explicit:
+            if self.cudagraph_mode_asked:
                 raise ValueError("compilation_config.cudagraph_mode must be NONE when tensor_parallel_size > 1, "
                                  f"got {self.compilation.cudagraph_mode.name}")
             self.compilation.cudagraph_mode = CUDAGraphMode.NONE
@@ -164,6 +163,12 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+    @property
+    def cudagraph_mode_asked(self) -> bool:
+        """True when the user named a cudagraph_mode: a mode the engine cannot run is then
+        an error, where a default one falls back."""
+        return isinstance(self.compilation_config, dict) and "cudagraph_mode" in self.compilation_config
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -21,27 +21,30 @@ Padding (invariants the tests check):
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.forward_context import BatchDescriptor
+from mini_vllm.kvcache.kv_cache_utils import cdiv
+from mini_vllm.worker.prepare_inputs import compute_query_start_loc
 
 
 class CudagraphDispatcher:
     def __init__(self, config: CompilationConfig) -> None:
         self.config = config
-        self.mode = config.cudagraph_mode
 
     def dispatch(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
-        if self.mode == CUDAGraphMode.NONE:
+        mode = self.config.cudagraph_mode
+        if mode == CUDAGraphMode.NONE:
             return CUDAGraphMode.NONE, None
         padded = self.config.padded_size(num_tokens)
         if padded is None:
             return CUDAGraphMode.NONE, None
-        if uniform_decode and self.mode.has_full():
+        if uniform_decode and mode.has_full():
             return CUDAGraphMode.FULL, BatchDescriptor(padded, uniform_decode=True)
-        if self.mode.has_piecewise():
+        if mode.has_piecewise():
             return CUDAGraphMode.PIECEWISE, BatchDescriptor(padded)
         return CUDAGraphMode.NONE, None
 
@@ -51,7 +54,6 @@ class StaticInputBuffers:
     of their first `padded` rows (a view's address is its buffer's)."""
 
     def __init__(self, max_tokens: int, max_blocks: int, device: torch.device) -> None:
-        self.max_tokens = max_tokens
         kw = dict(device=device)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, **kw)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, **kw)
@@ -103,13 +105,9 @@ def dummy_metadata(num_tokens: int, num_seqs: int, block_size: int, device) -> A
     remainder), each as long as its queries, every table entry block 0."""
     q = [num_tokens // num_seqs] * num_seqs
     q[-1] += num_tokens - sum(q)
-    blocks = -(-max(q) // block_size)
-    cu = [0]
-    for x in q:
-        cu.append(cu[-1] + x)
     return AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
-        block_tables=torch.zeros((num_seqs, blocks), dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((num_seqs, cdiv(max(q), block_size)), dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.from_numpy(compute_query_start_loc(np.asarray(q))).to(device),
         seq_lens=torch.tensor(q, dtype=torch.int32, device=device),
         max_query_len=max(q), max_seq_len=max(q), query_lens_cpu=q, seq_lens_cpu=list(q))

@@ -179,6 +179,8 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [])
         input_ids, positions, md, req_ids, logit_rows, sample_req = self._prepare_inputs(so)
+        # Returns at once for this class's _prepare_inputs (it checked the host copies); it checks
+        # the metadata of an exercise runner's _prepare_inputs, which this execute_model also serves.
         md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
         kvc = self.kv_connector
         if kvc is not None:  # external KV lands in its blocks before any layer reads them

@@ -71,8 +71,7 @@ class Worker:
         backend = get_attn_backend(self.attention_backend)
         if self.device.type != "cuda" or not cc.cudagraph_mode.has_full() or backend.full_cudagraph_support:
             return cc
-        asked = isinstance(config.compilation_config, dict) and "cudagraph_mode" in config.compilation_config
-        if asked:
+        if config.cudagraph_mode_asked:
             raise ValueError(f"compilation_config.cudagraph_mode {cc.cudagraph_mode.name} captures attention, which "
                              f"the {self.attention_backend!r} backend cannot run inside a CUDA graph: use "
                              "attention_backend='triton', or cudagraph_mode PIECEWISE or NONE")
