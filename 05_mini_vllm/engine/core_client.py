@@ -40,10 +40,11 @@ import weakref
 import zmq
 
 from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady, EngineCoreRequest,
-                              EngineCoreRequestType, UtilityOutput)
+                              EngineCoreRequestType)
 from mini_vllm.engine.core import UTILITY_METHODS, EngineCore
-from mini_vllm.engine.core_proc import EngineCoreProc, report_dead, run_engine_core
+from mini_vllm.engine.core_proc import EngineCoreProc, run_engine_core
 from mini_vllm.engine.exceptions import EngineDeadError
+from mini_vllm.engine.utils import close_core, monitor_core_process, receive_outputs, run_core_thread
 from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("mini_vllm")
@@ -88,94 +89,6 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-def _close(proc, threads: list, stop: threading.Event, sock, ctx) -> None:
-    """Stop the core, then the client's threads, then release the sockets (also run
-    by `weakref.finalize`); `threads`: the core's thread (in_thread) and the receiver."""
-    if stop.is_set():
-        return
-    stop.set()
-    try:
-        sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass  # no core is reading: it is gone already
-    if proc is not None:
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-    for t in threads:
-        if t is not threading.current_thread():
-            t.join(10)
-    sock.close(linger=0)
-    ctx.destroy(linger=0)
-
-
-def _run_core_thread(box: list, config, in_addr, out_addr, ctx, executor_class) -> None:
-    """The in_thread core: the process body without the process."""
-    core = None
-    try:
-        core = EngineCoreProc(config, in_addr, out_addr, ctx, executor_class)
-        box.append(core)
-        core.run_busy_loop()
-    except BaseException as e:  # noqa: BLE001
-        logger.exception("engine core thread died: %r", e)
-        report_dead(core, ctx, out_addr, e)
-    finally:
-        if core is not None:
-            core.close()
-
-
-def _receive(client_ref, sock, stop: threading.Event) -> None:
-    """The receiver thread. It holds the client only weakly, so that dropping the
-    client (garbage collection) still shuts the core down."""
-    outputs, utility, text = MsgpackDecoder(EngineCoreOutputs), MsgpackDecoder(UtilityOutput), MsgpackDecoder(str)
-    try:
-        while not stop.is_set():
-            if not sock.poll(100):
-                if client_ref() is None:
-                    return
-                continue
-            kind, data = sock.recv_multipart(copy=False)
-            client = client_ref()
-            if client is None:
-                return
-            kind = kind.bytes
-            if kind == EngineCoreOutputType.OUTPUTS.value:
-                client._deliver(outputs.decode(data.buffer))
-            elif kind == EngineCoreOutputType.UTILITY.value:
-                out = utility.decode(data.buffer)
-                fut = client._pending.pop(out.call_id, None)
-                if fut is not None:
-                    if out.failure is None:
-                        fut.set_result(out.result)
-                    else:
-                        fut.set_exception(RuntimeError(f"engine core utility call failed: {out.failure}"))
-            elif kind == EngineCoreOutputType.DEAD.value:
-                client._died(EngineDeadError(f"engine core died: {text.decode(data.buffer)}"))
-                return
-            del client
-    finally:
-        sock.close(linger=0)
-
-
-def _monitor(client_ref, proc, stop: threading.Event, receiver: threading.Thread) -> None:
-    """The process may die without a word (SIGKILL, the OOM killer)."""
-    from multiprocessing.connection import wait
-
-    wait([proc.sentinel])
-    proc.join(5)  # reap it: the exit status is known only then
-    # A core that died of an error sent DEAD with the cause before it exited: let the
-    # receiver deliver it (it stops after DEAD) rather than report a bare exit status.
-    receiver.join(2.0)
-    client = client_ref()
-    if client is not None and not stop.is_set():
-        client._died(EngineDeadError(f"the engine core process (pid {proc.pid}) exited with status "
-                                     f"{proc.exitcode}"))
-
-
 class MPClient:
     """Starts an `EngineCoreProc` and speaks its protocol; subclasses decide how
     outputs reach the caller (`_deliver`)."""
@@ -204,7 +117,7 @@ class MPClient:
         self._core_box: list[EngineCoreProc] = []  # in_thread: the core, once built
         self._core_thread: threading.Thread | None = None
         if in_thread:
-            self._core_thread = threading.Thread(target=_run_core_thread, name="EngineCore", daemon=True,
+            self._core_thread = threading.Thread(target=run_core_thread, name="EngineCore", daemon=True,
                                                  args=(self._core_box, config, in_addr, out_addr, self.ctx,
                                                        executor_class))
             self._core_thread.start()
@@ -218,7 +131,7 @@ class MPClient:
                     log_level=logging.getLogger().getEffectiveLevel(), parent_pid=os.getpid()))
             self.proc.start()
         self._threads = [] if self._core_thread is None else [self._core_thread]
-        self._finalizer = weakref.finalize(self, _close, self.proc, self._threads, self._stop,
+        self._finalizer = weakref.finalize(self, close_core, self.proc, self._threads, self._stop,
                                            self.input_socket, self.ctx)
         try:
             self.ready: EngineCoreReady = self._handshake(out_sock)
@@ -227,12 +140,12 @@ class MPClient:
             self.shutdown()
             raise
         me = weakref.ref(self)
-        self._receiver = threading.Thread(target=_receive, args=(me, out_sock, self._stop),
+        self._receiver = threading.Thread(target=receive_outputs, args=(me, out_sock, self._stop),
                                           name="EngineCoreClientOutput", daemon=True)
         self._threads.append(self._receiver)
         self._receiver.start()
         if self.proc is not None:
-            threading.Thread(target=_monitor, args=(me, self.proc, self._stop, self._receiver),
+            threading.Thread(target=monitor_core_process, args=(me, self.proc, self._stop, self._receiver),
                              name="EngineCoreMonitor", daemon=True).start()
 
     # --------------------------------------------------------------- startup
