@@ -81,9 +81,12 @@ class EngineConfig:
     # "kv_connector_extra_config"}); None = no KV connector.
     kv_transfer_config: dict | None = None
     # vLLM's --async-scheduling (seed 001 §4.6.1): the core schedules step N + 1
-    # while step N runs, with a placeholder for each token in flight. Off by
-    # default here; it needs one rank, no speculative decoding and no KV connector.
-    async_scheduling: bool = False
+    # while step N runs, with a placeholder for each token in flight. None decides
+    # as vLLM 0.32 does: on for CUDA unless something incompatible is asked for
+    # (here: speculative decoding, more than one rank, a KV connector), off on a
+    # CPU (vLLM's CPU platform turns it off: the step runs on the cores the
+    # scheduler would overlap with). True with an incompatible option is an error.
+    async_scheduling: bool | None = None
     # vLLM's --compilation-config / -O and --enforce-eager (`compilation/config.py`):
     # torch.compile of the forward and CUDA graphs. Resolved for the device below
     # into `compilation` (a CompilationConfig with every default filled in).
@@ -120,17 +123,21 @@ class EngineConfig:
                 raise ValueError("compilation_config.cudagraph_mode must be NONE when tensor_parallel_size > 1, "
                                  f"got {self.compilation.cudagraph_mode.name}")
             self.compilation.cudagraph_mode = CUDAGraphMode.NONE
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
-        if self.async_scheduling:
-            # Drafts are proposed from the token in flight, a connector saves blocks by
-            # known tokens, and the TP driver broadcasts in step order: none is placeholder-aware.
-            for name, ok in (("tensor_parallel_size", self.tensor_parallel_size == 1),
-                             ("speculative_config", self.speculative_config is None),
-                             ("kv_transfer_config", self.kv_transfer_config is None)):
-                if not ok:
-                    raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size), "
-                                     f"got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None (decide by device) or a bool, "
+                             f"got {self.async_scheduling!r}")
+        # Drafts are proposed from the token in flight, a connector saves blocks by
+        # known tokens, and the TP driver broadcasts in step order: none is placeholder-aware.
+        blockers = [(name, value) for name, value, ok in (
+            ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
+            ("speculative_config", self.speculative_config, self.speculative_config is None),
+            ("kv_transfer_config", self.kv_transfer_config, self.kv_transfer_config is None)) if not ok]
+        if self.async_scheduling is None:
+            self.async_scheduling = torch.device(self.device).type == "cuda" and not blockers
+        elif self.async_scheduling and blockers:
+            name, value = blockers[0]
+            raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size), "
+                             f"got {value!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)

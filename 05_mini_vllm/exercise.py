@@ -194,9 +194,11 @@ def plug_runner(llm) -> None:
     core = client.engine_core
     cfg = core.config
     for field, off in (("speculative_config", cfg.speculative is None), ("kv_transfer_config", core.kv_connector is None),
-                       ("tensor_parallel_size", cfg.tensor_parallel_size == 1)):
+                       ("tensor_parallel_size", cfg.tensor_parallel_size == 1),
+                       ("async_scheduling", not cfg.async_scheduling)):
         if not off:
-            raise ValueError(f"plug_runner: {field} is not part of the exercise's runner")
+            raise ValueError(f"plug_runner: {field} is not part of the exercise's runner (build the engine "
+                             f"with {field} unset; async_scheduling=False on a GPU, where it is on by default)")
     if core.has_unfinished_requests():
         raise ValueError("plug_runner: the engine already runs requests; plug the runner in first")
     core.executor.collective_rpc("use_model_runner", ModelRunner)

@@ -168,3 +168,30 @@ def test_async_scheduling_refuses_what_it_cannot_do():
                        "speculative_config"), (dict(tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=field):
             make_llm(async_scheduling=True, **kw)
+
+
+def test_async_scheduling_default_is_decided_as_vllm_decides():
+    """None (the default) is on for CUDA unless an incompatible option is set, off on
+    a CPU (vLLM 0.32's CPU platform turns it off); an explicit bool is kept."""
+    from mini_vllm.config import EngineConfig
+    from mini_vllm.course.tiny_models import model_path
+    from mini_vllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    m = str(model_path("tiny-py-target"))
+    cases = [(dict(device="cpu"), False, "a CPU engine scheduled asynchronously by default (vLLM's CPU "
+                                         "platform turns it off)"),
+             (dict(device="cuda"), True, "a CUDA engine not scheduled asynchronously by default"),
+             (dict(device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 2}), False,
+              "the CUDA default turned async scheduling on with speculative decoding, which it cannot run"),
+             (dict(device="cuda", tensor_parallel_size=2), False,
+              "the CUDA default turned async scheduling on with two ranks"),
+             (dict(device="cpu", async_scheduling=True), True, "an explicit async_scheduling=True was dropped"),
+             (dict(device="cuda", async_scheduling=False), False, "an explicit async_scheduling=False was dropped")]
+    for kw, want, bug in cases:
+        assert EngineConfig(model=m, **kw).async_scheduling is want, f"{kw}: {bug}"
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(model=m, async_scheduling="yes")
+    base = ["serve", m]
+    for flags, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        got = _engine_kwargs(build_parser().parse_args(base + flags))["async_scheduling"]
+        assert got is want, f"CLI {flags or 'without the flag'} gave async_scheduling={got!r}, want {want!r}"

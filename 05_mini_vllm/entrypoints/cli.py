@@ -27,8 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) that split every layer")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while this one runs (placeholders for tokens in flight)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while this one runs (placeholders for tokens in flight); "
+                        "default: on for CUDA when compatible, off on a CPU, as vLLM decides")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
     p.add_argument("--compilation-config", "-O", default=None, type=_compilation_config,
                    help='an int mode (-O3: VLLM_COMPILE) or JSON, e.g. \'{"mode": 3, "cudagraph_mode": '
