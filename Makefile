@@ -2,23 +2,38 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+DEPS   := $(VENV)/.installed
+MODLIST := $(VENV)/.modules
+LINKS  := $(VENV)/.linked
+STAMP  := $(LINKS)
+MODULES := $(sort $(wildcard 0*/*.py 0*/*/*.py 0*/*/*/*.py kernels/*.py))
 NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models editor-model mutants vllm test-vllm clean
+.PHONY: install demo test test-fast lab bench models editor-model mutants vllm test-vllm clean FORCE
 
-install: $(STAMP)
+install: $(LINKS)
 
 # torch goes in first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
-	touch $(STAMP)
+	$(PY) -m pip install -q -e . --config-settings editable_mode=strict
+	touch $(DEPS)
+
+# The install is a strict editable one: a tree of links under build/ that maps mini_vllm.kvcache
+# to 02_kvcache/ and so on, which editors (Pylance, jedi) follow for go-to-definition, where they
+# cannot run the import hook of a lenient editable install. A module added to a chapter needs
+# its link, so the links are remade whenever the set of modules changes.
+$(MODLIST): FORCE
+	@mkdir -p $(VENV); echo "$(MODULES)" | cmp -s - $@ || echo "$(MODULES)" > $@
+
+$(LINKS): $(DEPS) $(MODLIST)
+	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=strict
+	touch $(LINKS)
 
 # The engine on the tiny model (the Chapter 1 waste table: `$(PY) -m mini_vllm.paged_attention.waste`).
 demo: $(STAMP)

@@ -16,6 +16,8 @@ This folder (05_mini_vllm/) holds the engine that composes them:
     llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
 """
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 # The engine's public names, imported lazily so that `import mini_vllm.kvcache`
@@ -31,6 +33,14 @@ _LAZY = {
     "BeamSearchParams": "mini_vllm.beam_search",
 }
 __all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # never run: the same names, spelled out for editors and type checkers
+    from mini_vllm.beam_search import BeamSearchParams
+    from mini_vllm.config import EngineConfig
+    from mini_vllm.engine.llm_engine import LLMEngine
+    from mini_vllm.entrypoints.llm import LLM
+    from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from mini_vllm.sampling_params import SamplingParams
 
 
 def __getattr__(name):
