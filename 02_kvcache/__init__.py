@@ -1,7 +1,9 @@
 """Chapter 2: the KV cache manager (LRU block pool with hash-chain prefix caching).
 
 Modules mirror vLLM v1: `kv_cache_utils.py` (block, free queue),
-`block_hash.py` (hash chain), `block_pool.py`, `kv_cache_manager.py`.
+`block_hash.py` (hash chain), `block_pool.py`, `kv_cache_manager.py`. Their
+given halves, which the exercise shares, hold no answer:
+`block_hash_chain.py`, `block_pool_base.py`, `kv_cache_manager_base.py`.
 """
 # Absolute imports on purpose: pytest --nbmake imports this file as a top-level
 # module ("02_kvcache" is not a valid package name), where relative imports fail.

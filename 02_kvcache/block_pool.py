@@ -16,49 +16,15 @@ Invariants (checked by `tests/test_ch2_stateful.py` after every step)
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from .block_hash_map import BlockHashToBlockMap
-from .kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from .block_pool_base import BlockPoolBase
+from .kv_cache_utils import KVCacheBlock
 
 
-class BlockPool:
-    #: The free-queue class; the exercise swaps in the learner's queue here.
-    free_queue_cls = FreeKVCacheBlockQueue
-
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = self.free_queue_cls(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
-
-    # ---- lookup -----------------------------------------------------------
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        """Any block whose content has `block_hash`, or None on a miss."""
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
-
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Record `blocks[num_cached_blocks:num_full_blocks]` under their hashes.
-
-        `block_hashes[i]` is the hash of logical block i; the caller guarantees
-        those blocks are now full. Blocks before `num_cached_blocks` are cached
-        already (earlier steps, or prefix hits).
-        """
-        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
-            return
-        if num_full_blocks > len(blocks) or num_full_blocks > len(block_hashes):
-            raise ValueError(
-                f"num_full_blocks={num_full_blocks} exceeds blocks ({len(blocks)}) or "
-                f"hashes ({len(block_hashes)})")
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            h = block_hashes[i]
-            block.block_hash = h  # raises if a stale hash is still attached
-            self.cached_block_hash_to_block.insert(h, block)
+class BlockPool(BlockPoolBase):
+    """The block pool: `BlockPoolBase` (the blocks, the free queue, the hash
+    map, caching full blocks) plus allocation, `touch` and `free_blocks`."""
 
     # ---- allocation -------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -77,6 +43,7 @@ class BlockPool:
         return blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop `block` from the hash map and clear its hash; False if it held none."""
         h = block.block_hash
         if h is None:
             return False
@@ -114,20 +81,3 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
-
-    # ---- maintenance --------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Refused (returns False) while a block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
-            return False
-        self.cached_block_hash_to_block.clear()
-        for block in self.blocks:
-            block.reset_hash()
-        return True
-
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
-    def get_usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks

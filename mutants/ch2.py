@@ -15,8 +15,10 @@ TESTS = [
     "tests/test_ch2_stateful.py",
 ]
 MANAGER = "02_kvcache/kv_cache_manager.py"
+MANAGER_BASE = "02_kvcache/kv_cache_manager_base.py"  # given to the exercise
 POOL = "02_kvcache/block_pool.py"
 HASH = "02_kvcache/block_hash.py"
+CHAIN = "02_kvcache/block_hash_chain.py"  # given to the exercise
 QUEUE = "02_kvcache/kv_cache_utils.py"
 
 MUTANTS: list[Mutant] = [
@@ -46,7 +48,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="chain_restarts_every_block",
-        path=HASH,
+        path=CHAIN,
         old="prev = hash_fn(prev, token_ids[",
         new="prev = hash_fn(None, token_ids[",
         tests=TESTS,
@@ -54,7 +56,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="hash_without_salt",
-        path=HASH,
+        path=CHAIN,
         old="extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None",
         new="extra = None",
         tests=TESTS,
@@ -109,6 +111,30 @@ MUTANTS: list[Mutant] = [
         why="a block reused for new tokens keeps its old hash: a later lookup reads the wrong KV",
     ),
     Mutant(
+        name="evict_leaves_map_entry",
+        path=POOL,
+        old="        self.cached_block_hash_to_block.pop(h, block.block_id)\n",
+        new="",
+        tests=TESTS,
+        why="an evicted block stays in the hash map under its old hash: a lookup hits overwritten KV",
+    ),
+    Mutant(
+        name="evict_keeps_block_hash",
+        path=POOL,
+        old="        block.reset_hash()\n        return True",
+        new="        return True",
+        tests=TESTS,
+        why="an evicted block keeps its old hash: the map and the block disagree, re-caching it fails",
+    ),
+    Mutant(
+        name="evict_drops_every_copy",
+        path=POOL,
+        old="self.cached_block_hash_to_block.pop(h, block.block_id)",
+        new="self.cached_block_hash_to_block._cache.pop(h, None)",
+        tests=TESTS,
+        why="evicting one block drops every block cached under its hash: the other copies stop hitting",
+    ),
+    Mutant(
         name="evict_most_recently_freed",
         path=QUEUE,
         old="first = self._head.next_free_block\n        if first is self._tail:",
@@ -118,7 +144,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="self_eviction_of_hits",
-        path=MANAGER,
+        path=MANAGER_BASE,
         old="self.num_free_blocks - num_evictable_hits",
         new="self.num_free_blocks",
         tests=TESTS,
@@ -126,7 +152,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="no_copy_on_write",
-        path=MANAGER,
+        path=MANAGER_BASE,
         old="if blocks[i].ref_cnt > 1]",
         new="if blocks[i].ref_cnt > 2]",
         tests=TESTS,

@@ -33,10 +33,12 @@ from .attention import gather_kv, paged_attention_varlen, paged_attention_decode
 """),
     "2": ("02_kvcache/exercise.py", """
 from .block_hash import hash_block_tokens
+from .block_pool import BlockPool as _ReferencePool
+from .kv_cache_manager import KVCacheManager as _ReferenceManager
 for _name in ("get_new_blocks", "_maybe_evict_cached_block", "touch", "free_blocks"):
-    setattr(BlockPool, _name, getattr(_bp.BlockPool, _name))
+    setattr(BlockPool, _name, getattr(_ReferencePool, _name))
 for _name in ("get_computed_blocks", "free"):
-    setattr(KVCacheManager, _name, getattr(_km.KVCacheManager, _name))
+    setattr(KVCacheManager, _name, getattr(_ReferenceManager, _name))
 """),
     "3": ("03_scheduler/exercise.py", """
 for _name in ("schedule_running", "pick_victim", "try_admit", "_update_after_schedule"):

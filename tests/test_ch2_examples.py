@@ -50,6 +50,36 @@ def test_eviction_drops_the_hash(chapter):
         "an evicted block must lose its old hash before it is cached again"
 
 
+def test_evicting_a_cached_block_leaves_no_stale_entry(chapter):
+    """`_maybe_evict_cached_block` alone, on blocks in the state `get_new_blocks`
+    hands it (out of the free queue, ref_cnt 0), two of them cached under one hash."""
+    kv = chapter("kvcache")
+    pool = kv.BlockPool(3)
+    a, b, c = pool.free_block_queue.popleft_n(3)
+    h = bytes(range(32))  # any 32-byte key: this test does not depend on your hash_block_tokens
+    pool.cache_full_blocks([a], [h], 0, 1)
+    pool.cache_full_blocks([b], [h], 0, 1)  # a second copy of the same prefix: the map is a multimap
+    assert pool._maybe_evict_cached_block(c) is False and len(pool.cached_block_hash_to_block) == 1, \
+        "a block that was never cached must be a no-op returning False"
+    got = pool._maybe_evict_cached_block(a)
+    held = pool.cached_block_hash_to_block[h] if h in pool.cached_block_hash_to_block else {}
+    assert a.block_id not in held, (
+        "stale hash-map entry: the evicted block is still in cached_block_hash_to_block under its old "
+        "hash, so a later lookup hits a block whose KV is being overwritten")
+    assert held == {b.block_id: b}, (
+        f"evicting block {a.block_id} left {sorted(held)} under the hash, expected [{b.block_id}]: the "
+        "other block cached under the same hash must stay (remove this block's entry, not the hash's)")
+    assert a.block_hash is None, (
+        "the evicted block keeps its old hash: block_hash must be cleared, or caching the block again "
+        "raises and the map <=> block_hash invariant breaks")
+    assert got is True, f"evicting a cached block returned {got!r}, expected True"
+    assert pool._maybe_evict_cached_block(a) is False, "an already evicted block must be a no-op returning False"
+    assert pool._maybe_evict_cached_block(b) is True and h not in pool.cached_block_hash_to_block, \
+        "evicting the last block under a hash must leave no entry for that hash"
+    assert [x.ref_cnt for x in (a, b, c)] == [0, 0, 0] and pool.get_num_free_blocks() == 0, \
+        "eviction must leave reference counts and the free queue alone (get_new_blocks owns them)"
+
+
 def test_eviction_is_least_recently_freed_first(chapter):
     kv = chapter("kvcache")
     m = kv.KVCacheManager(num_blocks=4, block_size=2)

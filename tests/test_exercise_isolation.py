@@ -4,10 +4,11 @@ A learner's stub must raise until they write it; an exercise that imported or
 subclassed the module holding the answer would quietly run the reference
 instead (a missing method inherited, a given helper calling the reference's
 function). Two rules, checked statically and by identity:
-* Chapters 1, 4, 5 and 6: exercise.py imports none of the chapter's answer
+* Chapters 1, 2, 4, 5 and 6: exercise.py imports none of the chapter's answer
   modules (its given parts live in modules that hold no answer);
-* Chapters 2 and 3: the given classes are `given_class` copies, not
-  subclasses, and every lesson method is the exercise's own.
+* Chapters 2 and 3: the given classes are not subclasses of the reference's
+  (Chapter 3's are `given_class` copies), and every lesson method is the
+  exercise's own.
 """
 import ast
 import importlib
@@ -18,13 +19,15 @@ import pytest
 
 ANSWER_MODULES = {  # chapter package: modules that hold the exercise's answers
     "mini_vllm.paged_attention": {"slot_mapping", "cache_ops", "attention"},
+    "mini_vllm.kvcache": {"block_hash", "block_pool", "kv_cache_manager"},
     "mini_vllm.spec_decode": {"rejection_sampler", "ngram_proposer"},
     "mini_vllm": {"model_runner", "prepare_inputs", "ops_topk_topp", "engine_api"},
     "mini_vllm.global_cache": {"keys", "serde", "connector", "factory"},
 }
 GIVEN_COPIES = {  # exercise module: {class: (reference module, lesson methods)}
     "mini_vllm.kvcache.exercise": {
-        "BlockPool": ("mini_vllm.kvcache.block_pool", ("get_new_blocks", "touch", "free_blocks")),
+        "BlockPool": ("mini_vllm.kvcache.block_pool",
+                      ("get_new_blocks", "_maybe_evict_cached_block", "touch", "free_blocks")),
         "KVCacheManager": ("mini_vllm.kvcache.kv_cache_manager", ("get_computed_blocks", "free")),
     },
     "mini_vllm.scheduler.exercise": {
