@@ -49,6 +49,7 @@ import time
 
 import torch
 
+from machine import machine_line
 from mini_vllm.attention import torch_attn as torch_attention
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels.cpu_paged_attention import run_varlen
@@ -198,6 +199,7 @@ def main():
                           ("torch", torch_attention.attend(q, kc, vc, md, scale))):
             err = (got.float() - want).abs().max().item()
             assert err < tol, f"{name}: {impl} differs from Chapter 1's reference by {err:.2e}"
+    print(machine_line([int(t) for t in args.threads.split(",")]))
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)  # the kernel follows torch's thread count
         bw = copy_bandwidth()

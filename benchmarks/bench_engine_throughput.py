@@ -32,9 +32,19 @@ runs): `process` (the default: the engine core in its own process), `inproc`
 (MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0: one process, one step per `step()`),
 and `process-async` / `inproc-async` (asynchronous scheduling on top).
 
-Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--threads 1,2] [--runs 3]
-     [--num-requests 256] [--hf-batch-sizes 1,8,32] [--skip-baselines] [--no-vllm]
-     [--modes process,inproc,process-async,inproc-async]
+Workloads (`--model`): `tiny` (the above: the 5M-parameter tiny target in fp32) and
+`qwen3-0.6b`, the size a learner runs on a laptop: a Qwen3-0.6B-shaped checkpoint with
+random weights in bf16 (`engine_workloads.qwen3_06b_checkpoint`, written once), 16
+requests of 16-128 prompt and 16-64 output tokens, max_model_len 2048, detokenize off
+(the tokenizer is the tiny one's). Its check before timing compares tokens and the
+chosen token's logprob with bf16 tolerances (`vllm_diff.BF16_TIE_MARGIN`,
+`BF16_LOGPROB_TOL`) and prints the largest logprob difference it saw. No HF baselines
+for it. The first line printed is the machine (`machine.py`): every ratio holds for
+that CPU only.
+
+Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--model tiny|qwen3-0.6b]
+     [--threads 1,2] [--runs 3] [--num-requests N] [--hf-batch-sizes 1,8,32]
+     [--skip-baselines] [--no-vllm] [--modes process,inproc,process-async,inproc-async]
 """
 from __future__ import annotations
 
@@ -44,10 +54,11 @@ import time
 
 import torch
 
-from engine_workloads import sample_requests
+from engine_workloads import qwen3_06b_checkpoint, sample_requests
+from machine import machine_line
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_model, model_path
-from vllm_diff import compare_phase
+from vllm_diff import BF16_LOGPROB_TOL, BF16_TIE_MARGIN, LOGPROB_TOL, TIE_MARGIN, compare_phase
 from vllm_side import MISSING, VllmSession, pin, request, run_mini, vllm_job, vllm_python
 
 GOAL = 3.0
@@ -57,6 +68,24 @@ GOAL = 3.0
 SETTINGS = dict(block_size=32, kv_cache_memory_bytes=1 << 30, max_num_seqs=128, max_num_batched_tokens=2048,
                 enable_prefix_caching=False)
 CHECKED = 64  # requests compared with logprobs (near-tie rule) before timing
+
+
+class Workload:
+    """One model and its requests: what both engines run, with equal settings."""
+
+    def __init__(self, name, path, dtype, settings, num_requests, in_range, out_range, margin, tol, top_k,
+                 detokenize):
+        self.name, self.path, self.dtype, self.settings = name, path, dtype, settings
+        self.num_requests, self.in_range, self.out_range = num_requests, in_range, out_range
+        self.margin, self.tol, self.top_k, self.detokenize = margin, tol, top_k, detokenize
+
+
+WORKLOADS = {
+    "tiny": Workload("tiny", lambda: model_path("tiny-py-target"), "float32", SETTINGS, 256, (16, 512),
+                     (16, 256), TIE_MARGIN, LOGPROB_TOL, 0, True),
+    "qwen3-0.6b": Workload("qwen3-0.6b", qwen3_06b_checkpoint, "bfloat16", dict(SETTINGS, max_model_len=2048), 16,
+                           (16, 128), (16, 64), BF16_TIE_MARGIN, BF16_LOGPROB_TOL, 1, False),
+}
 # Seconds of rest before each timed run. vLLM's worker process keeps working after a
 # run returns (and after start-up): on the 2-core machine it used 1.0 s of CPU in the
 # 5 s after a 2-thread run, then 0.1 s per 10 s. Without the rest that work lands in
@@ -64,18 +93,34 @@ CHECKED = 64  # requests compared with logprobs (near-tie rule) before timing
 SETTLE_S = 5.0
 
 
-def engine_run(reqs, llm=None, **kw) -> tuple[float, list[list[int]]]:
+def engine_run(reqs, llm=None, detokenize: bool = True, **kw) -> tuple[float, list[list[int]]]:
     llm = llm or LLM(str(model_path("tiny-py-target")), dtype="float32", **dict(SETTINGS, **kw))
-    sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+    sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, detokenize=detokenize) for _, m in reqs]
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     t = time.perf_counter()
     outs = llm.generate(prompts, sps, use_tqdm=False)
     return time.perf_counter() - t, [o.outputs[0].token_ids for o in outs]
 
 
-def phase(name: str, reqs, logprobs: int | None = None) -> dict:
+def phase(name: str, reqs, logprobs: int | None = None, detokenize: bool = True) -> dict:
     return {"name": name, "requests": [request(p, max_tokens=m, temperature=0.0, ignore_eos=True,
-                                               logprobs=logprobs) for p, m in reqs]}
+                                               logprobs=logprobs, detokenize=detokenize) for p, m in reqs]}
+
+
+def max_logprob_diff(want: dict, got: dict) -> float:
+    """The largest difference between the two engines' logprobs of the chosen token, over
+    the positions where both chose the same one (what the bf16 tolerance is set from)."""
+    worst = 0.0
+    for w, g in zip(want["results"], got["results"]):
+        wc, gc = w["outputs"][0], g["outputs"][0]
+        for i, (a, b) in enumerate(zip(wc["token_ids"], gc["token_ids"])):
+            if a != b or not wc.get("logprobs") or not gc.get("logprobs"):
+                break
+            lw = next((lp for t, lp, _ in wc["logprobs"][i] if t == a), None)
+            lg = next((lp for t, lp, _ in gc["logprobs"][i] if t == b), None)
+            if lw is not None and lg is not None:
+                worst = max(worst, abs(lw - lg))
+    return worst
 
 
 def summary(times: list[float], useful: int) -> str:
@@ -89,30 +134,31 @@ MODES = {"process": dict(multiprocess_mode=True), "inproc": dict(multiprocess_mo
          "inproc-async": dict(multiprocess_mode=False, async_scheduling=True)}
 
 
-def side_by_side(reqs, threads: int, runs: int, llms: dict) -> float:
+def side_by_side(reqs, threads: int, runs: int, llms: dict, wl: Workload) -> float:
     """Interleaved timed runs of vLLM and of the engine in each mode (`llms`: mode -> LLM) on
     `threads` pinned cores; returns the ratio of medians (mini-vLLM / vLLM output tok/s) of
     the first mode. Exits without timing if the tokens differ."""
     useful = sum(m for _, m in reqs)
-    model = str(model_path("tiny-py-target"))
-    with VllmSession(vllm_job(model, [], threads=threads, **SETTINGS)) as vs:
+    model = str(wl.path())
+    with VllmSession(vllm_job(model, [], dtype=wl.dtype, threads=threads, **wl.settings)) as vs:
         print(f"  vLLM {vs.info['vllm_version']} up in {vs.info['load_s']:.0f} s (compile included)")
-        check = phase("check", reqs[:CHECKED], logprobs=2)
+        check = phase("check", reqs[:CHECKED], logprobs=2, detokenize=wl.detokenize)
         want = vs.run(check)
-        got = run_mini(model, [check], **SETTINGS)["phases"][0]  # a fresh engine: also warms up
-        compared, total, problems = compare_phase(want, got, fields=())
+        got = run_mini(model, [check], dtype=wl.dtype, **wl.settings)["phases"][0]  # a fresh engine: also warms up
+        compared, total, problems = compare_phase(want, got, top_k=wl.top_k, fields=(), margin=wl.margin, tol=wl.tol)
         if problems:
             raise SystemExit("tokens differ from vLLM, not timing:\n" + "\n".join(problems[:5]))
         print(f"  greedy tokens of {len(check['requests'])} requests equal vLLM's ({compared}/{total} positions "
-              "compared, the rest after vLLM near-ties): timing")
+              f"compared, the rest after vLLM near-ties under {wl.margin}); largest logprob difference of a "
+              f"chosen token {max_logprob_diff(want, got):.2e} (tolerance {wl.tol}): timing")
         t_v, t_m, same = [], {m: [] for m in llms}, {m: [] for m in llms}
         for r in range(runs):
             time.sleep(SETTLE_S)
-            res = vs.run(phase(f"run{r}", reqs))
+            res = vs.run(phase(f"run{r}", reqs, detokenize=wl.detokenize))
             t_v.append(res["wall_s"])
             for mode, llm in llms.items():
                 time.sleep(SETTLE_S)
-                t, toks = engine_run(reqs, llm)
+                t, toks = engine_run(reqs, llm, detokenize=wl.detokenize)
                 t_m[mode].append(t)
                 same[mode].append(sum(o["outputs"][0]["token_ids"] == g for o, g in zip(res["results"], toks)))
     print(f"  vLLM                     {summary(t_v, useful)}")
@@ -192,7 +238,8 @@ def baselines(reqs, t_eng: float, engine_tokens, hf_batch_sizes: list[int]) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--model", choices=list(WORKLOADS), default="tiny")
+    ap.add_argument("--num-requests", type=int, default=None, help="default: the workload's (256 / 16)")
     ap.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
     ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs per engine and thread count")
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
@@ -206,10 +253,14 @@ def main() -> None:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
     threads = [int(x) for x in args.threads.split(",")]
     hf_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
-    reqs = sample_requests(args.num_requests, (16, 512), (16, 256), seed=0)
+    wl = WORKLOADS[args.model]
+    if wl.name != "tiny":
+        hf_sizes = []  # HF baselines are the tiny workload's
+    reqs = sample_requests(args.num_requests or wl.num_requests, wl.in_range, wl.out_range, seed=0)
     useful = sum(m for _, m in reqs)
-    print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens; "
-          f"both engines: {SETTINGS}")
+    print(machine_line(threads))
+    print(f"{wl.name} ({wl.dtype}): {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+          f"{useful} output tokens; both engines: {wl.settings}")
     for bs in hf_sizes:
         lin, pre, dec = padding_work(reqs, bs)
         print(f"static batch {bs:>2} does {lin:.2f}x the useful linear-layer tokens, {pre:.2f}x the prefill "
@@ -221,13 +272,16 @@ def main() -> None:
     for i, n in enumerate(threads):
         pin(n)
         print(f"\n== {n} thread(s), pinned to cores {sorted(__import__('os').sched_getaffinity(0))}")
-        llms = {m: LLM(str(model_path("tiny-py-target")), dtype="float32", **SETTINGS, **MODES[m]) for m in modes}
+        llms = {m: LLM(str(wl.path()), dtype=wl.dtype, **wl.settings, **MODES[m]) for m in modes}
         for llm in llms.values():
-            engine_run(reqs[:16], llm)  # warm-up
+            engine_run(reqs[:16], llm, detokenize=wl.detokenize)  # warm-up
         llm = llms[modes[0]]
         if use_vllm:
-            ratios[n] = side_by_side(reqs, n, args.runs, llms)
-        if i == 0 and not args.skip_baselines:
+            ratios[n] = side_by_side(reqs, n, args.runs, llms, wl)
+        else:
+            t, _ = engine_run(reqs, llm, detokenize=wl.detokenize)
+            print(f"  mini-vLLM {modes[0]}: {t:.1f} s, {useful / t:.1f} output tok/s")
+        if i == 0 and not args.skip_baselines and wl.name == "tiny":
             t_eng, toks = engine_run(reqs, llm)
             baselines(reqs, t_eng, toks, hf_sizes)
         for llm in llms.values():

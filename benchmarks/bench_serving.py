@@ -45,6 +45,7 @@ import time
 import httpx
 
 from engine_workloads import sample_requests
+from machine import machine_line
 from mini_vllm.metrics.stats import percentile
 from mini_vllm.course.tiny_models import model_path
 from vllm_side import MISSING, _env, cpu_list, vllm_python
@@ -233,6 +234,7 @@ def main() -> None:
     if "vllm" in servers and (vllm_python() is None or args.base_url):
         print(f"(vLLM side left out: {MISSING if vllm_python() is None else '--base-url given'})")
         servers = [s for s in servers if s != "vllm"]
+    print(machine_line((args.threads,)))
     print(f"{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, tiny target on CPU, each server pinned to "
           f"{args.threads} core(s), {args.kv_cache_memory_bytes >> 20} MiB KV cache"

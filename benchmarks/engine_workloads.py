@@ -36,3 +36,31 @@ def sample_requests(n: int, in_range: tuple[int, int], out_range: tuple[int, int
         start = rng.randrange(0, len(stream) - n_in)
         reqs.append((stream[start:start + n_in], n_out))
     return reqs
+
+
+def qwen3_06b_checkpoint() -> Path:
+    """A Qwen3-0.6B-shaped checkpoint with random bf16 weights (written by
+    `gpu_check_parts/checkpoint.py`'s `write_checkpoint`), made once and kept in
+    $MINI_VLLM_BENCH_DIR (default ~/.cache/mini_vllm/bench): 1.2 GB, too large to
+    commit. The tiny models' tokenizer is copied beside it, so both engines start
+    as they would on a real folder; its 6,144 ids are valid ids of the 151,936-token
+    vocabulary, and the workload runs with detokenize off (sampled ids past 6,143
+    have no text). `complete` marks a finished write: an interrupted one is redone."""
+    import os
+    import shutil
+
+    from gpu_check_parts.checkpoint import write_checkpoint
+    from mini_vllm.course.tiny_models import model_path
+
+    base = Path(os.environ.get("MINI_VLLM_BENCH_DIR", Path.home() / ".cache" / "mini_vllm" / "bench"))
+    folder = base / "qwen3-0.6b-random-bf16"
+    if not (folder / "complete").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        print(f"writing a random Qwen3-0.6B-shaped bf16 checkpoint to {folder} (once; about a minute)", flush=True)
+        write_checkpoint(folder, small=False, device="cpu")
+        tiny = model_path("tiny-py-target")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy2(tiny / name, folder / name)
+        (folder / "complete").write_text("ok\n")
+    return folder
