@@ -15,31 +15,30 @@ You write four methods:
 Then two short ones, the placeholder rule of asynchronous scheduling (the
 next step is scheduled before this one's tokens are back;
 `tests/test_ch3_async_placeholders.py`):
-- `StepState._update_after_schedule`: advance a scheduled request; count a
+- `Scheduler._update_after_schedule`: advance a scheduled request; count a
   placeholder for the token its step will sample;
 - `Scheduler._replace_placeholder`: that token arrived.
 
-Given: `Request` and its two numbers, the queues and policy orders
-(`running_order`, `waiting_order`), and in `StepState` the budget and
-records, `delta`, `remaining`, `_hits`, `refresh`, `preempt` (recompute or
-swap), `_commit_running`, `_commit_admission` (the bookkeeping once blocks are
-allocated) and `finish`; in `Scheduler` everything but `schedule` and
-`_replace_placeholder` (`update_from_output`, stop rules, aborts). The given classes are copies
-of the reference *without* your methods (see `_given`), so a method you have
-not written raises instead of quietly running the reference's answer.
+A step has two phases: a `StepState` decides a plan (Δ per request, victims,
+admissions; it takes and frees KV slots as it decides, but changes neither
+the scheduler nor a request), then the scheduler applies it
+(`_apply_plan`). Given: `Request` and its two numbers, the queues and policy
+orders (`running_order`, `waiting_order`), `StepStateBase` (step_base.py: the
+plan's records, `delta`, `remaining`, `_hits`, `refresh`, `preempt` (recompute
+or swap), `_commit_running`, `_commit_admission`) and `SchedulerBase`
+(scheduler_base.py: `_apply_plan`, `update_from_output`, stop rules, aborts).
+Neither holds an answer: a method you have not written raises.
 vLLM counterpart: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`).
 """
 from __future__ import annotations
 
-from mini_vllm.paged_attention.exercise_support import given_class
-
-from . import scheduler as _sched
-from . import step as _step
 from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from .mini_runner import MiniRunner
 from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .policy import running_order, waiting_order  # noqa: F401  (for your schedule())
 from .request import EngineCoreOutput, Request, RequestStatus, SamplingParams
+from .scheduler_base import SchedulerBase
+from .step_base import StepStateBase
 from .swap import CpuBlockPool
 
 __all__ = [
@@ -49,22 +48,21 @@ __all__ = [
 ]
 
 
-_given = given_class  # a copy of the reference class without the lesson's methods
-
-
-class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_admit", "_update_after_schedule")):
-    """One step's state: `self.s` the scheduler, `self.kv` its KVCacheManager,
-    `self.cfg` its config, `self.budget` tokens left, `self.num_scheduled`
-    {req_id: Δ} so far, `self.preempted` ids preempted in this step.
-    Nothing changes a request's `num_computed_tokens` before `finish()`, except
-    a recompute preemption (0) and an admission (its prefix hits)."""
+class StepState(StepStateBase):
+    """One step's plan in the making (step_base.py). Read: `self.kv` the KV cache
+    manager, `self.cfg` the config, `self.running` the running batch as this step
+    leaves it (less its victims, plus its admissions), `self.budget` tokens left,
+    `self.num_scheduled` {req_id: Δ} so far, `self.preempted` {req_id: ...} the
+    victims so far. A StepState never changes a request or the scheduler: the
+    given `preempt`, `_commit_running` and `_commit_admission` record your
+    decisions, and the scheduler applies them after the step's loop."""
 
     def schedule_running(self, req) -> None:
         """TODO: schedule one running request's Δ, preempting until its blocks fit."""
         raise NotImplementedError(
-            "schedule_running(req) -> None. Contract: a request that is no longer RUNNING (preempted "
-            "earlier in this step) or has nothing left (self.delta(...) <= 0) is left alone. Otherwise it "
-            "ends either scheduled for its Δ, with KV slots for its new tokens and its drafts as lookahead "
+            "schedule_running(req) -> None. Contract: a request preempted earlier in this step (its id in "
+            "self.preempted) or with nothing left (self.delta(...) <= 0) is left alone. Otherwise it ends "
+            "either scheduled for its Δ, with KV slots for its new tokens and its drafts as lookahead "
             "slots (self.kv.allocate_slots), recorded by self._commit_running; or, when the slots do not "
             "fit, after preempting running requests (self.pick_victim, self.preempt) until they do. If it "
             "is itself the victim, it is not scheduled in this step. Under asynchronous scheduling, positions "
@@ -75,7 +73,7 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
     def pick_victim(self):
         """TODO: the running request to preempt."""
         raise NotImplementedError(
-            "pick_victim() -> the running request to preempt. Contract: never a request already "
+            "pick_victim() -> the request of self.running to preempt. Contract: never a request already "
             "scheduled or admitted in this step (self.num_scheduled; their blocks may already be shared "
             "as prefix hits), so the requester itself is always a candidate. fcfs (self.cfg.policy): the "
             "last admitted, whatever its priority. Other policies: the lowest priority (largest value), "
@@ -85,27 +83,41 @@ class StepState(_given(_step.StepState, "schedule_running", "pick_victim", "try_
         """TODO: admit waiting `req` if its first chunk fits; True if admitted."""
         raise NotImplementedError(
             "try_admit(req) -> True iff the waiting request was admitted. Contract: never more than "
-            "max_num_seqs running, never past the token budget; a request resumes after its prefix hits "
-            "(self._hits), or, swapped out (req.swapped_cpu_block_ids), at its computed tokens with no "
+            "max_num_seqs in self.running, never past the token budget; a request resumes after its prefix "
+            "hits (self._hits), or, swapped out (req.swapped_cpu_block_ids), at its computed tokens with no "
             "lookup; its first chunk is self.delta(...) and, without chunked prefill, must be the whole "
             "rest of the prompt. Admitted means its slots were allocated (self.kv.allocate_slots with the "
             "hits) and self._commit_admission recorded it; not admitted means nothing changed. (The "
-            "reference also asks a Chapter 6 KV connector; these tests run without one.)")
+            "reference also asks a Chapter 6 KV connector, self.connector; these tests run without one.)")
 
+
+class Scheduler(SchedulerBase):
+    def schedule(self) -> SchedulerOutput:
+        """TODO: one scheduling step: decide with a StepState, return `self._apply_plan(st)`."""
+        raise NotImplementedError(
+            "schedule() -> SchedulerOutput. Contract: the decisions go into one "
+            "st = StepState(self.kv_cache_manager, self.config, self.running, self.cpu_block_pool, "
+            "self.connector), and the step returns self._apply_plan(st), which moves the requests. "
+            "fcfs / priority: running requests are served first, in running_order; waiting ones are "
+            "admitted in waiting_order only if nothing was preempted in this step, and the first that does "
+            "not fit stops admission (no request overtakes it, or it could starve). srtf / two_level: "
+            "seed 001 Algorithm 2, the request with the least remaining work goes first, running or waiting "
+            "(ties to the running one); a failed admission ends admission but running requests are "
+            "still served. Under every policy, no waiting request is admitted in a step that has "
+            "preempted one. The budget (max_num_batched_tokens) and max_num_seqs (counted in st.running) "
+            "are never exceeded.")
 
     def _update_after_schedule(self, req, d: int) -> bool:
         """TODO: `req` was scheduled for Δ = d tokens; advance it. True if this step samples for it."""
         raise NotImplementedError(
-            "_update_after_schedule(req, d) -> bool, called by finish() once per scheduled request. Contract: "
-            "returns True iff this step samples a token for req: its Δ reaches the end of every position "
-            "whose token is known or in flight (req.num_tokens + req.num_output_placeholders; a "
+            "_update_after_schedule(req, d) -> bool, called by _apply_plan once per scheduled request. "
+            "Contract: returns True iff this step samples a token for req: its Δ reaches the end of every "
+            "position whose token is known or in flight (req.num_tokens + req.num_output_placeholders; a "
             "mid-prefill chunk does not reach it, draft positions count as reached). With "
-            "self.cfg.async_scheduling that token is now in flight: req holds one more output placeholder "
+            "self.config.async_scheduling that token is now in flight: req holds one more output placeholder "
             "until it arrives. Afterwards req.num_computed_tokens has advanced by d and its drafts "
             "(req.spec_token_ids) are consumed.")
 
-
-class Scheduler(_given(_sched.Scheduler, "schedule", "_replace_placeholder")):
     def _replace_placeholder(self, req, sampled: list[int]) -> bool:
         """TODO: the tokens `sampled` of one step arrived for `req`; True if they fill a placeholder."""
         raise NotImplementedError(
@@ -114,15 +126,3 @@ class Scheduler(_given(_sched.Scheduler, "schedule", "_replace_placeholder")):
             "(synchronous scheduling). Otherwise the arrival replaces one placeholder, and because the "
             "runner appended these tokens itself, they count as already sent to it (req.num_tokens_sent, "
             "when not None, grows by their number; the next step's new_token_ids must not repeat them).")
-
-    def schedule(self) -> SchedulerOutput:
-        """TODO: one scheduling step; returns `st.finish()`."""
-        raise NotImplementedError(
-            "schedule() -> SchedulerOutput (StepState(self, budget).finish()). Contract, fcfs / priority: "
-            "running requests are served first, in running_order; waiting ones are admitted in "
-            "waiting_order only if nothing was preempted in this step, and the first that does not fit "
-            "stops admission (no request overtakes it, or it could starve). srtf / two_level: seed 001 "
-            "Algorithm 2, the request with the least remaining work goes first, running or waiting "
-            "(ties to the running one); a failed admission ends admission but running requests are "
-            "still served. Under every policy, no waiting request is admitted in a step that has "
-            "preempted one. The budget (max_num_batched_tokens) and max_num_seqs are never exceeded.")

@@ -8,8 +8,8 @@
 * two_level — FIFO waiting queue feeding a small staging queue, which is
               refilled only once empty; SRTF over running ∪ staging (§4.5.3).
 
-Every function returns a fresh list: the scheduler mutates its queues while
-it walks the order.
+Every function returns a fresh list: the step loop may pop from it (srtf),
+and the scheduler changes its own queues when it applies the step's plan.
 """
 from __future__ import annotations
 

@@ -115,7 +115,6 @@ class Request:
         self.num_preemptions = 0
         # Swap preemption: CPU blocks holding this request's KV while swapped out.
         self.swapped_cpu_block_ids: list[int] = []
-        self.stop_reason: int | None = None
         # How many of `all_token_ids` the runner has been sent (None: the
         # runner has never seen this request): the next CachedRequestData
         # carries the rest as `new_token_ids`, so a runner learns every token

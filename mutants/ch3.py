@@ -12,7 +12,9 @@ TESTS = [
     "tests/test_ch3_stateful.py",
 ]
 SCHED = "03_scheduler/scheduler.py"
+SCHED_BASE = "03_scheduler/scheduler_base.py"
 STEP = "03_scheduler/step.py"
+STEP_BASE = "03_scheduler/step_base.py"
 
 _FCFS_LOOP = """\
             for req in running_order(self):
@@ -102,9 +104,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="recompute_keeps_computed",
-        path=STEP,
-        old="            victim.num_computed_tokens = 0\n",
-        new="            pass\n",
+        path=SCHED_BASE,
+        old="req.num_computed_tokens = 0  # Table 4.1, preemption row",
+        new="pass",
         tests=TESTS,
         why="a recompute preemption drops the KV but keeps num_computed_tokens",
     ),
@@ -119,14 +121,14 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="max_num_seqs_ignored",
         path=STEP,
-        old="if len(s.running) >= cfg.max_num_seqs or self.budget <= 0:",
+        old="if len(self.running) >= cfg.max_num_seqs or self.budget <= 0:",
         new="if self.budget <= 0:",
         tests=TESTS,
         why="admission ignores max_num_seqs",
     ),
     Mutant(
         name="running_delta_not_charged",
-        path=STEP,
+        path=STEP_BASE,
         old="        self.budget -= d\n        self.num_scheduled[rid] = d\n        if n_spec:",
         new="        self.num_scheduled[rid] = d\n        if n_spec:",
         tests=TESTS,
@@ -134,7 +136,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="prefix_hit_not_computed",
-        path=STEP,
+        path=SCHED_BASE,
         old="req.num_computed_tokens = n_hit + n_ext  # Table 4.1, prefix caching row",
         new="pass",
         tests=TESTS,
@@ -142,7 +144,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="no_draft_rollback",
-        path=SCHED,
+        path=SCHED_BASE,
         old="req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row",
         new="pass",
         tests=TESTS,
@@ -159,9 +161,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="placeholder_for_a_step_that_does_not_sample",
-        path=STEP,
-        old="if samples and self.cfg.async_scheduling:",
-        new="if self.cfg.async_scheduling:",
+        path=SCHED,
+        old="if samples and self.config.async_scheduling:",
+        new="if self.config.async_scheduling:",
         tests=["tests/test_ch3_async_placeholders.py"],
         why="a mid-prefill chunk counts a placeholder for a token no step will sample",
     ),
@@ -176,8 +178,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="srtf_admits_after_preemption",
         path=SCHED,
-        old="admit_ok = cands and not st.preempted and len(self.running) < cfg.max_num_seqs",
-        new="admit_ok = cands and len(self.running) < cfg.max_num_seqs",
+        old="admit_ok = cands and not st.preempted and len(st.running) < cfg.max_num_seqs",
+        new="admit_ok = cands and len(st.running) < cfg.max_num_seqs",
         tests=TESTS,
         why="srtf admits a waiting request into the blocks a preemption just freed, in the same step",
     ),

@@ -75,7 +75,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cow_table_not_sent",
-        path="03_scheduler/step.py",
+        path="03_scheduler/scheduler_base.py",
         old="replace = resumed or rid in cow",
         new="replace = resumed",
         tests=API,
@@ -133,7 +133,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="block_completed_in_flight_never_cached",
-        path="03_scheduler/scheduler.py",
+        path="03_scheduler/scheduler_base.py",
         old="                self.kv_cache_manager.allocate_slots(req, 0)",
         new="                pass",
         tests=[ASYNC + "::test_prefix_hits_under_async_scheduling_read_only_known_tokens"],
@@ -142,7 +142,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="token_of_preempted_request_dropped",
-        path="03_scheduler/scheduler.py",
+        path="03_scheduler/scheduler_base.py",
         old="if req is None or req.is_finished():",
         new="if req is None or req.status != RequestStatus.RUNNING:",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[recompute]"],

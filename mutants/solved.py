@@ -41,10 +41,15 @@ for _name in ("get_computed_blocks", "free"):
     setattr(KVCacheManager, _name, getattr(_ReferenceManager, _name))
 """),
     "3": ("03_scheduler/exercise.py", """
-for _name in ("schedule_running", "pick_victim", "try_admit", "_update_after_schedule"):
-    setattr(StepState, _name, getattr(_step.StepState, _name))
-Scheduler.schedule = _sched.Scheduler.schedule
-Scheduler._replace_placeholder = _sched.Scheduler._replace_placeholder
+import types as _types
+from .scheduler import Scheduler as _ReferenceScheduler
+from .step import StepState as _ReferenceStepState
+def _pasted(fn):  # the reference's method as if its text were here: its names (StepState) resolve in this file
+    return _types.FunctionType(fn.__code__, globals(), fn.__name__, fn.__defaults__, fn.__closure__)
+for _name in ("schedule_running", "pick_victim", "try_admit"):
+    setattr(StepState, _name, _pasted(getattr(_ReferenceStepState, _name)))
+for _name in ("schedule", "_update_after_schedule", "_replace_placeholder"):
+    setattr(Scheduler, _name, _pasted(getattr(_ReferenceScheduler, _name)))
 """),
     "4": ("04_spec_decode/exercise.py", """
 from .rejection_sampler import recover_token, rejection_sample_request

@@ -2,7 +2,7 @@
 
 With `async_scheduling=True` the engine schedules step N + 1 before step N's
 tokens are back. A request whose step samples gets one **output placeholder**
-(`StepState._update_after_schedule`): the next schedule computes that token's
+(`Scheduler._update_after_schedule`): the next schedule computes that token's
 position ahead as if it were known. When the token arrives, it replaces the
 placeholder (`Scheduler._replace_placeholder`), and since the runner already
 appended it, it counts as sent. The oracle is the same workload scheduled

@@ -104,11 +104,13 @@ def test_no_admission_in_a_step_that_preempted(mod):
         "for running requests; re-admitting the victim at once just thrashes)")
 
 
-def test_srtf_no_admission_in_a_step_that_preempted(mod):
-    """The same rule under srtf, where admission and running requests interleave:
-    4 blocks of 4; A and B fill the pool, each decode needs a new block, and a
-    1-token C waits. A's decode preempts B; C would fit in a block B freed."""
-    s = make(mod, num_blocks=4, policy="srtf")
+@pytest.mark.parametrize("policy", ["fcfs", "srtf"])
+def test_no_newcomer_admitted_in_a_step_that_preempted(mod, policy):
+    """The same rule for a newcomer, and under srtf, where admission and running
+    requests interleave: 4 blocks of 4; A and B fill the pool, each decode needs
+    a new block, and a 1-token C waits. A's decode preempts B; C would fit in a
+    block B freed."""
+    s = make(mod, num_blocks=4, policy=policy)
     add(s, req(mod, "A", 8, 8, 0), req(mod, "B", 7, 8, 1))
     step(mod, s)  # A and B prefill: 2 blocks each, the pool is full
     add(s, req(mod, "C", 1, 4, 2))
@@ -117,7 +119,7 @@ def test_srtf_no_admission_in_a_step_that_preempted(mod):
         f"preempted {out.preempted_req_ids}: A's decode needs a block and only B can give one back "
         "(the latest arrival of equal priority)")
     assert "C" not in out.num_scheduled_tokens, (
-        f"srtf admitted C in the step that preempted B ({out.num_scheduled_tokens}): after a "
+        f"{policy} admitted C in the step that preempted B ({out.num_scheduled_tokens}): after a "
         "preemption no waiting request is admitted in the same step, under any policy")
 
 
@@ -180,7 +182,13 @@ def test_a_request_that_preempts_itself_is_not_scheduled(mod):
     victim than itself."""
     s = make(mod, num_blocks=5, max_model_len=20)
     add(s, req(mod, "A", 4, 12, 0), req(mod, "B", 4, 12, 1))
-    out = step_until_preempted(mod, s, 10)
+    try:
+        out = step_until_preempted(mod, s, 10)
+    except Exception as e:
+        raise AssertionError(
+            f"the steps up to B's self-preemption raised {e!r}: a request that had to preempt itself "
+            "must stop there (return); going on, it asks for a victim again and none is left "
+            "(every other running request is already scheduled in this step)") from e
     assert out.preempted_req_ids == {"B"}, (
         f"preempted {out.preempted_req_ids}, expected B (itself): A is already scheduled in this "
         "step, so it can no longer be the victim")

@@ -83,12 +83,12 @@ def test_the_engine_jumps_into_a_chapter(project):
 
 def test_a_chapter_jumps_into_an_earlier_chapter(project):
     """Chapter to chapter: Chapter 3's `cdiv` is Chapter 2's."""
-    f = ROOT / "03_scheduler/scheduler.py"
+    f = ROOT / "03_scheduler/scheduler_base.py"
     code, line, col = _find(f, "import cdiv")
     col += len("import ")
     path, text = _land(jedi.Script(code, path=f, project=project).goto(line, col + 1, follow_imports=True))
     assert path == ROOT / "02_kvcache/kv_cache_utils.py" and text.startswith("def cdiv"), \
-        f"cdiv in 03_scheduler/scheduler.py jumped to {path}: {text!r}; {HOW}"
+        f"cdiv in 03_scheduler/scheduler_base.py jumped to {path}: {text!r}; {HOW}"
 
 
 def test_completion_on_an_attribute_of_a_chapter_class(project):

@@ -4,11 +4,10 @@ A learner's stub must raise until they write it; an exercise that imported or
 subclassed the module holding the answer would quietly run the reference
 instead (a missing method inherited, a given helper calling the reference's
 function). Two rules, checked statically and by identity:
-* Chapters 1, 2, 4, 5 and 6: exercise.py imports none of the chapter's answer
+* Chapters 1 to 6: exercise.py imports none of the chapter's answer
   modules (its given parts live in modules that hold no answer);
-* Chapters 2 and 3: the given classes are not subclasses of the reference's
-  (Chapter 3's are `given_class` copies), and every lesson method is the
-  exercise's own.
+* Chapter 2: the given classes are not subclasses of the reference's, and
+  every lesson method is the exercise's own.
 """
 import ast
 import importlib
@@ -19,6 +18,7 @@ import pytest
 
 ANSWER_MODULES = {  # chapter package: modules that hold the exercise's answers
     "mini_vllm.paged_attention": {"slot_mapping", "cache_ops", "attention"},
+    "mini_vllm.scheduler": {"step", "scheduler"},
     "mini_vllm.kvcache": {"block_hash", "block_pool", "kv_cache_manager"},
     "mini_vllm.spec_decode": {"rejection_sampler", "ngram_proposer"},
     "mini_vllm": {"model_runner", "prepare_inputs", "ops_topk_topp", "engine_api"},
@@ -29,10 +29,6 @@ GIVEN_COPIES = {  # exercise module: {class: (reference module, lesson methods)}
         "BlockPool": ("mini_vllm.kvcache.block_pool",
                       ("get_new_blocks", "_maybe_evict_cached_block", "touch", "free_blocks")),
         "KVCacheManager": ("mini_vllm.kvcache.kv_cache_manager", ("get_computed_blocks", "free")),
-    },
-    "mini_vllm.scheduler.exercise": {
-        "StepState": ("mini_vllm.scheduler.step", ("schedule_running", "pick_victim", "try_admit")),
-        "Scheduler": ("mini_vllm.scheduler.scheduler", ("schedule",)),
     },
 }
 
