@@ -176,6 +176,15 @@ MUTANTS: list[Mutant] = [
         why="tokens the runner appended itself are sent to it again in the next step's new_token_ids",
     ),
     Mutant(
+        name="probe_lookups_counted",
+        path=STEP_BASE,
+        old="return self.kv.get_computed_blocks(req, record_stats=False)",
+        new="return self.kv.get_computed_blocks(req)",
+        tests=TESTS,
+        why="every prefix-cache probe (SRTF refreshes each candidate every step) counts as a lookup: "
+            "the hit-rate statistics are inflated",
+    ),
+    Mutant(
         name="srtf_admits_after_preemption",
         path=SCHED,
         old="admit_ok = cands and not st.preempted and len(st.running) < cfg.max_num_seqs",
