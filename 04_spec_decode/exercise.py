@@ -4,7 +4,8 @@ Run the chapter's tests against this file with
     .venv/bin/pytest -q tests/test_ch4_*.py --impl=exercise
 Start with `tests/test_ch4_examples.py`: each of its small cases names the
 mistake it catches. Stuck? `04_spec_decode/HINTS.md` has hints in three
-levels, from the idea to a near-solution; read only as much as you need.
+levels, from the idea to the last push before the solution; read only as much as
+you need.
 
 You write three functions:
 - `recover_token`: the token emitted at a rejected draft position;
@@ -25,10 +26,10 @@ import numpy as np  # noqa: F401  (for your propose_ngram)
 import torch
 
 from .metadata import SpecDecodeMetadata, apply_verify_step, num_accepted_from_output  # noqa: F401
-from .proposers import DraftModelProposer, NgramProposerBase  # noqa: F401
+from .proposers import NextTokenModelProposer, NgramProposerBase  # noqa: F401
 from .random_draws import generate_exponential_noise, generate_uniform_probs  # noqa: F401
 from .rejection_pipeline import PLACEHOLDER_TOKEN_ID, RejectionSamplerPipeline
-from .sampling import SamplingMetadata, apply_top_k_top_p, compute_probs, sample_from_probs  # noqa: F401
+from .sampling import TemperatureTopKTopP, apply_top_k_top_p_pytorch, logits_to_probs, sample_from_probs  # noqa: F401
 from .validation import validate_rejection_inputs
 
 
@@ -36,28 +37,32 @@ def recover_token(target_probs, draft_probs, draft_token_id, noise) -> int:
     """The token emitted when draft `draft_token_id` is rejected at one position."""
     raise NotImplementedError(
         "recover_token(target_probs p [V], draft_probs q [V] or None, draft_token_id x, noise [V] of Exp(1) "
-        "draws) -> an int in [0, V). Contract: the token is a sample, driven by `noise` (the same noise gives "
-        "the same token), from the distribution that makes speculative decoding lossless: the part of p that "
-        "the draft did not already cover (q = None means an n-gram draft, a q that is one-hot on x). A token "
-        "outside that distribution is never returned while it has mass; if it has none (p == q up to "
-        "rounding), sample p. Inputs are never modified. Exactness: tests compare tokens with the "
-        "reference for the same noise, including residuals in the denormal range.")
+        "draws) -> an int in [0, V). q = None means an n-gram draft: a q that is one-hot on x. Contract: "
+        "the token is a sample, driven by `noise` alone (the same noise gives the same token), from the "
+        "recovery distribution: the one that, combined with rejection_sample_request's acceptance, makes "
+        "the token emitted at this position distributed exactly as p (the notebook's §1 derives it). A "
+        "token outside that distribution's support is never returned while the support is not empty; when "
+        "it is empty (p equal to q up to rounding), sample p. Inputs are never modified. Exactness: tests "
+        "compare tokens with the reference for the same noise, including distributions whose mass lies in "
+        "float32's denormal range.")
 
 
 def rejection_sample_request(draft_token_ids, draft_probs, target_probs, bonus_token_id, is_greedy,
                              uniform_probs, recovery_noise) -> list[int]:
     """Verify one request's k drafts; return the emitted tokens."""
     raise NotImplementedError(
-        "rejection_sample_request(draft_token_ids: k ints, draft_probs [k, V] float32 or None (n-gram), "
-        "target_probs [k, V], bonus_token_id int, is_greedy bool, uniform_probs [k] in [0, 1), "
+        "rejection_sample_request(draft_token_ids: k ints, draft_probs [k, V] float32 or None (n-gram: "
+        "one-hot q), target_probs [k, V], bonus_token_id int, is_greedy bool, uniform_probs [k] in [0, 1), "
         "recovery_noise [V]) -> list of 1 to k + 1 ints. Contract: the emitted tokens are the longest "
         "accepted prefix of the drafts, then exactly one more token: recover_token's at the first rejected "
-        "position, or bonus_token_id when all k are accepted (k = 0 emits [bonus_token_id]). Greedy: a "
-        "draft is accepted iff it is the target's most likely token, and the randomness is not used. "
-        "Random: a draft is accepted with probability min(1, p(x) / q(x)) decided by uniform_probs[i], and "
-        "a draft the target gives probability 0 is never accepted, whatever the draw. The output must be "
-        "distributed exactly as the target's own samples (chi-square tests) and equal the reference's "
-        "tokens for the same draws. Inputs are validated by the given batch loop.")
+        "position, or bonus_token_id when all k are accepted (k = 0 emits [bonus_token_id]). Greedy: every "
+        "emitted token but the bonus is the target's most likely token at its position (torch.argmax's "
+        "choice on ties), and the random inputs are not read. Random: the decision at position i reads "
+        "uniform_probs[i] as its one random draw, and accepts iff the draw falls strictly below that "
+        "draft's acceptance probability (so a draft the target gives probability 0 is never accepted, even "
+        "at u = 0); which acceptance probability makes the output lossless is the notebook's §1. The "
+        "output must be distributed exactly as the target's own samples (chi-square tests) and equal the "
+        "reference's tokens for the same draws. Inputs are validated by the given batch loop.")
 
 
 def propose_ngram(tokens, min_n, max_n, k, occurrence="earliest"):

@@ -1,15 +1,18 @@
 """Draft proposers: who guesses the k tokens that the target then verifies.
 
-vLLM counterparts: `vllm/v1/spec_decode/draft_model.py` / `eagle.py`
-(draft-model proposers); the n-gram proposer is in `ngram_proposer.py`.
+vLLM counterparts: `vllm/v1/spec_decode/ngram_proposer.py` (the n-gram
+proposer) and `draft_model.py` / `eagle.py` (model-based proposers).
 
 - `NgramProposerBase`: the plumbing of a prompt-lookup proposer (argument
   checks, one context per request); the lookup itself, `propose_ngram`, is
   plugged in by `ngram_proposer.NgramProposer` (or by the exercise).
-- `DraftModelProposer`: any callable that maps contexts to next-token logits
-  drafts k tokens autoregressively, with the *same* sampling processing as the
-  target (`sampling.compute_probs`), and returns the draft probabilities the
-  rejection sampler needs.
+- `NextTokenModelProposer`: any callable that maps contexts to next-token
+  logits drafts k tokens autoregressively, with the *same* sampling
+  processing as the target (`sampling.logits_to_probs`), and returns the
+  draft probabilities the rejection sampler needs. It is the loop of a
+  draft-model proposer without the model: Chapter 5's
+  `speculative.proposers.DraftModelProposer` (vLLM's `DraftModelProposer`)
+  subclasses it with a real small model on its own paged KV cache.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .sampling import SamplingMetadata, compute_probs, sample_from_probs
+from .sampling import TemperatureTopKTopP, logits_to_probs, sample_from_probs
 
 
 class NgramProposerBase:
@@ -42,7 +45,7 @@ class NgramProposerBase:
 NextTokenModel = Callable[[list[list[int]]], torch.Tensor]
 
 
-class DraftModelProposer:
+class NextTokenModelProposer:
     """Draft k tokens with any next-token model, sampling exactly as the target does.
 
     The model is called k times on the growing contexts (no KV cache here;
@@ -58,7 +61,7 @@ class DraftModelProposer:
         self.model, self.k = model, k
 
     def propose(
-        self, contexts: Sequence[Sequence[int]], sampling: SamplingMetadata, generators: dict | None = None
+        self, contexts: Sequence[Sequence[int]], sampling: TemperatureTopKTopP, generators: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (draft_token_ids [B, k] int64, draft_probs [B, k, V] float32)."""
         batch = len(contexts)
@@ -70,7 +73,7 @@ class DraftModelProposer:
             logits = self.model(ctx)
             if logits.dim() != 2 or logits.shape[0] != batch:
                 raise ValueError(f"draft model must return logits [batch={batch}, vocab], got {tuple(logits.shape)}")
-            p = compute_probs(logits, sampling)
+            p = logits_to_probs(logits, sampling)
             if all_greedy:  # argmaxes only: no noise drawn, the global generator is left alone
                 tok = p.argmax(-1)
             else:

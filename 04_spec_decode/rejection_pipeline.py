@@ -10,10 +10,11 @@ plug in as `per_request_sampler`, `batched_sampler` and `triton_sampler`:
 own, so the end-to-end tests run whichever is under test.
 
 The logits -> probabilities step plugs in too (`compute_probs=`, Chapter 4's
-`sampling.compute_probs` by default). Verification is lossless for the
+`sampling.logits_to_probs` by default). Verification is lossless for the
 distribution this step computes, so an engine passes its own sampler's
 processing: a request's tokens then follow one distribution whether a step
-verifies drafts or samples plainly (Chapter 5 passes one built on
+verifies drafts or samples plainly (Chapter 5 passes
+`speculative.verifier.compute_probs`, vLLM's name, built on
 `mini_vllm.sample.ops.topk_topp`). `sampling` is whatever that function
 reads, plus `is_greedy` [B] and `validate(batch)`.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .random_draws import generate_exponential_noise, generate_uniform_probs
-from .sampling import compute_probs, sample_from_probs
+from .sampling import logits_to_probs, sample_from_probs
 
 PLACEHOLDER_TOKEN_ID = -1  # pads the [B, max_k + 1] output after each request's emitted tokens
 BACKENDS = ("reference", "torch", "triton")
@@ -38,9 +39,9 @@ class RejectionSamplerPipeline:
     batched_sampler = None
     triton_sampler = None
 
-    def __init__(self, backend: str = "torch", compute_probs=compute_probs):
+    def __init__(self, backend: str = "torch", compute_probs=logits_to_probs):
         """compute_probs(logits [n, V], sampling, rows_per_request=None) -> float32 [n, V]:
-        the temperature / top-k / top-p processing (see `sampling.compute_probs`)."""
+        the temperature / top-k / top-p processing (see `sampling.logits_to_probs`)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'reference', 'torch' or 'triton', got {backend!r}")
         sampler = {"reference": self.per_request_sampler, "torch": self.batched_sampler,

@@ -1,7 +1,13 @@
 """Sampling processing shared by the target and the draft: temperature, top-k, top-p.
 
-vLLM counterpart: `vllm/v1/sample/ops/topk_topp_sampler.py` (top-k/top-p masks)
-and `compute_probs` in `vllm/v1/sample/rejection_sampler.py` (temperature).
+vLLM counterpart: `vllm/v1/sample/ops/topk_topp_sampler.py` (top-k/top-p masks,
+`apply_top_k_top_p_pytorch`) and the temperature step of
+`vllm/v1/sample/rejection_sampler.py` (`apply_sampling_constraints`).
+`TemperatureTopKTopP` holds only what verification reads; the engine's
+`mini_vllm.sample.metadata.SamplingMetadata` (vLLM's) holds the whole
+sampler's state. `logits_to_probs` is the processing on it; the engine's
+`speculative.verifier.compute_probs` has the same contract on the engine's
+metadata and filters.
 
 Speculative decoding is lossless only for the distribution that *both* sides
 verify against, so the exact same processing must turn target logits and draft
@@ -26,15 +32,16 @@ GREEDY_TEMPERATURE = 0.0
 
 
 @dataclass
-class SamplingMetadata:
-    """Per-request sampling parameters (all tensors of shape [batch])."""
+class TemperatureTopKTopP:
+    """Per-request temperature, top-k and top-p (all tensors of shape [batch]): the
+    sampling parameters that speculative decoding reproduces on both sides."""
 
     temperature: torch.Tensor  # float32, 0 = greedy
     top_k: torch.Tensor  # int64, 0 = disabled
     top_p: torch.Tensor  # float32, 1.0 = disabled
 
     @classmethod
-    def make(cls, temperature, top_k=None, top_p=None) -> "SamplingMetadata":
+    def make(cls, temperature, top_k=None, top_p=None) -> "TemperatureTopKTopP":
         temperature = torch.as_tensor(temperature, dtype=torch.float32).reshape(-1)
         n = temperature.shape[0]
         top_k = torch.zeros(n, dtype=torch.int64) if top_k is None else torch.as_tensor(top_k, dtype=torch.int64).reshape(-1)
@@ -62,8 +69,11 @@ class SamplingMetadata:
             raise ValueError("top_p must lie in (0, 1] (1 disables top-p)")
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p set to -inf.
+def apply_top_k_top_p_pytorch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p set to -inf, with one full sort.
+
+    vLLM's name for its sort-based fallback; the engine's `apply_top_k_top_p`
+    (`mini_vllm.sample.ops.topk_topp`) avoids the full sort and keeps ties.
 
     logits [n, V]; top_k, top_p [n]. The top-p set is the smallest prefix of the
     sorted tokens whose probability mass reaches top_p (computed after top-k).
@@ -85,7 +95,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, masked_sorted)
 
 
-def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_request=None) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, sampling: TemperatureTopKTopP, rows_per_request=None) -> torch.Tensor:
     """Processed probabilities [n, V] (float32) from logits [n, V].
 
     rows_per_request [batch] says how many consecutive logits rows belong to
@@ -110,10 +120,10 @@ def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_req
     top_k = torch.where(greedy, 0, expand(sampling.top_k))
     top_p = torch.where(greedy, 1.0, expand(sampling.top_p))
     logits = logits.float() / temp.unsqueeze(1)
-    # The full sort in apply_top_k_top_p dominates the cost; skip it when no
-    # row filters (every all-greedy batch, and plain temperature sampling).
+    # The full sort in apply_top_k_top_p_pytorch dominates the cost; skip it when
+    # no row filters (every all-greedy batch, and plain temperature sampling).
     if bool((((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)).any()):
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_top_k_top_p_pytorch(logits, top_k, top_p)
     return logits.softmax(dim=-1)
 
 

@@ -6,8 +6,8 @@ flat (3 * N(0, 1): a nucleus of thousands of tokens, wider than the sampler's
 batches: all greedy, all random without filters, top-k 50, top-p 0.9. Three
 ways to sample one token per row:
 - engine `Sampler` (argmax only when greedy, no sort without filters, topk for top-k)
-- Chapter 4 `compute_probs` + exponential race as it is now (skips the sort when no row filters)
-- Chapter 4 as first written: always `apply_top_k_top_p` (a full sort) + softmax + race
+- Chapter 4 `logits_to_probs` + exponential race as it is now (skips the sort when no row filters)
+- Chapter 4 as first written: always `apply_top_k_top_p_pytorch` (a full sort) + softmax + race
 Before timing, greedy results are checked equal across paths and each path's
 tokens are checked to lie in the filtered set. Best of N single calls
 (the CPU is shared), torch.set_num_threads(2).
@@ -21,8 +21,8 @@ from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.spec_decode.random_draws import generate_exponential_noise
-from mini_vllm.spec_decode.sampling import SamplingMetadata as Ch4Metadata
-from mini_vllm.spec_decode.sampling import apply_top_k_top_p, compute_probs, sample_from_probs
+from mini_vllm.spec_decode.sampling import (TemperatureTopKTopP, apply_top_k_top_p_pytorch, logits_to_probs,
+                                            sample_from_probs)
 
 BATCH = 16
 CASES = {  # name: (engine params, Chapter 4 temperature, top_k, top_p)
@@ -44,7 +44,7 @@ def best_of(fn, repeats):
 
 
 def ch4_now(logits, meta):
-    probs = compute_probs(logits, meta)
+    probs = logits_to_probs(logits, meta)
     noise = generate_exponential_noise(logits.shape[0], logits.shape[1])
     return torch.where(meta.is_greedy, probs.argmax(-1), sample_from_probs(probs, noise))
 
@@ -52,7 +52,7 @@ def ch4_now(logits, meta):
 def ch4_always_sort(logits, meta):
     greedy = meta.is_greedy
     temp = torch.where(greedy, 1.0, meta.temperature)
-    probs = apply_top_k_top_p(logits / temp[:, None], meta.top_k, meta.top_p).softmax(-1)
+    probs = apply_top_k_top_p_pytorch(logits / temp[:, None], meta.top_k, meta.top_p).softmax(-1)
     noise = generate_exponential_noise(logits.shape[0], logits.shape[1])
     return torch.where(greedy, probs.argmax(-1), sample_from_probs(probs, noise))
 
@@ -64,16 +64,17 @@ def main():
     for vocab, scale in ((6_144, 3.0), (151_936, 3.0), (151_936, 6.0)):
         repeats = 30 if vocab < 10_000 else 8
         logits = scale * torch.randn(BATCH, vocab)
-        nucleus = int((compute_probs(logits, Ch4Metadata.make([0.8] * BATCH, None, [0.9] * BATCH)) > 0).sum(1).median())
+        ch4_top_p = TemperatureTopKTopP.make([0.8] * BATCH, None, [0.9] * BATCH)
+        nucleus = int((logits_to_probs(logits, ch4_top_p) > 0).sum(1).median())
         print(f"batch {BATCH}, vocab {vocab:,}, logits {scale} * N(0, 1) (top-p 0.9 keeps ~{nucleus} tokens) "
               f"(ms, best of {repeats}, engine {3 * repeats}; ratio = Chapter 4 time / engine time)")
         print(f"  {'case':<18} {'engine':>8} {'ch4 now':>9} {'ch4 sort':>9} {'x now':>7} {'x sort':>7}")
         for name, (params, temp, k, p) in CASES.items():
             md = SamplingMetadata.from_params([SamplingParams(**params)] * BATCH, [[0]] * BATCH,
                                               [[] for _ in range(BATCH)], [None] * BATCH, [None] * BATCH, vocab)
-            meta = Ch4Metadata.make([temp] * BATCH, [k] * BATCH, [p] * BATCH)
+            meta = TemperatureTopKTopP.make([temp] * BATCH, [k] * BATCH, [p] * BATCH)
             got = [sampler(logits, md).sampled_token_ids, ch4_now(logits, meta), ch4_always_sort(logits, meta)]
-            allowed = compute_probs(logits, meta) > 0
+            allowed = logits_to_probs(logits, meta) > 0
             for tokens in got:
                 assert bool(allowed.gather(1, tokens[:, None]).all()), f"{name}: a token outside the filtered set"
             if temp == 0.0:

@@ -93,7 +93,7 @@ def _spec_decode_greedy(sd, target, propose, prompt, n_new, backend):
         drafts, draft_probs = propose(ctx)
         logits = target([ctx + drafts[:i] for i in range(len(drafts) + 1)])
         meta = sd.SpecDecodeMetadata.make([drafts])
-        out = sd.RejectionSampler(backend)(meta, draft_probs, logits, sd.SamplingMetadata.make([0.0]))[0]
+        out = sd.RejectionSampler(backend)(meta, draft_probs, logits, sd.TemperatureTopKTopP.make([0.0]))[0]
         accepted = sd.num_accepted_from_output(out, len(drafts))
         num_computed, num_tokens = sd.apply_verify_step(num_computed, num_tokens, len(drafts), accepted)
         ctx += out[out != -1].tolist()
@@ -122,10 +122,10 @@ def test_greedy_speculative_decoding_equals_target_greedy(chapter, backend, prop
         # A draft that agrees with the target most of the time: target table plus noise.
         noisy = _markov_model(0)
         noise = _markov_model(1, scale=1.5)
-        draft = sd.DraftModelProposer(lambda c: noisy(c) + noise(c), k=3)
+        draft = sd.NextTokenModelProposer(lambda c: noisy(c) + noise(c), k=3)
 
         def propose(ctx):
-            toks, probs = draft.propose([ctx], sd.SamplingMetadata.make([0.0]))
+            toks, probs = draft.propose([ctx], sd.TemperatureTopKTopP.make([0.0]))
             return toks[0].tolist(), probs[0]
     for prompt in ([1, 2, 3], [4, 4, 4, 4, 5], [7]):
         want = _greedy(target, prompt, 30)
@@ -138,14 +138,14 @@ def test_greedy_speculative_decoding_equals_target_greedy(chapter, backend, prop
 def test_draft_model_proposer_probs_and_seeding(chapter):
     sd = chapter("spec_decode")
     model = _markov_model(3)
-    prop = sd.DraftModelProposer(model, k=4)
-    sampling = sd.SamplingMetadata.make([0.0, 0.7], [0, 4], [1.0, 0.8])
+    prop = sd.NextTokenModelProposer(model, k=4)
+    sampling = sd.TemperatureTopKTopP.make([0.0, 0.7], [0, 4], [1.0, 0.8])
     ctxs = [[1, 2], [3, 4, 5]]
     toks, probs = prop.propose(ctxs, sampling, {1: torch.Generator().manual_seed(7)})
     assert toks.shape == (2, 4) and probs.shape == (2, 4, VOCAB)
     for i in range(4):
         prefix = [ctxs[b] + toks[b, :i].tolist() for b in range(2)]
-        want = sd.compute_probs(model(prefix), sampling)
+        want = sd.logits_to_probs(model(prefix), sampling)
         assert torch.allclose(probs[:, i], want), "draft probs must be the processed draft distribution"
         assert toks[0, i] == want[0].argmax(), "greedy request must draft the argmax"
         assert want[1, toks[1, i]] > 0, "sampled draft token must lie inside the top-k/top-p set"

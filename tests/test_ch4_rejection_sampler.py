@@ -127,7 +127,8 @@ def test_seeded_request_is_deterministic_whatever_its_neighbours(chapter):
         for _ in range(neighbours):
             rows.append(torch.randn(neighbour_k + 1, vocab))
             drows.append(torch.randn(neighbour_k, vocab))
-        sampling = sd.SamplingMetadata.make([0.8] + [1.0] * neighbours, [5] + [0] * neighbours, [0.9] + [1.0] * neighbours)
+        sampling = sd.TemperatureTopKTopP.make([0.8] + [1.0] * neighbours, [5] + [0] * neighbours,
+                                               [0.9] + [1.0] * neighbours)
         gens = {0: torch.Generator().manual_seed(1234)}
         if seed_neighbours:
             gens.update({i: torch.Generator().manual_seed(i) for i in range(1, neighbours + 1)})
@@ -150,11 +151,11 @@ def test_emitted_tokens_stay_inside_top_k_top_p_set(chapter, vocab, k, top_k, to
     draft_logits = torch.randn(batch * k, vocab, generator=g) * 3
     drafts = torch.randint(0, vocab, (batch, k), generator=g).tolist()
     meta = sd.SpecDecodeMetadata.make(drafts)
-    sampling = sd.SamplingMetadata.make([1.3] * batch, [top_k] * batch, [top_p] * batch)
+    sampling = sd.TemperatureTopKTopP.make([1.3] * batch, [top_k] * batch, [top_p] * batch)
     gens = {i: torch.Generator().manual_seed(seed + i) for i in range(batch)}
     for backend in ("reference", "torch"):
         out = sd.RejectionSampler(backend)(meta, None, logits, sampling, gens, draft_logits=draft_logits)
-        kept = sd.compute_probs(logits, sampling, torch.full((batch,), k + 1)) > 0
+        kept = sd.logits_to_probs(logits, sampling, torch.full((batch,), k + 1)) > 0
         for b in range(batch):
             for i, t in enumerate(out[b].tolist()):
                 if t != PH:
@@ -198,17 +199,17 @@ def test_bad_sampling_parameters_raise(chapter):
     for kwargs, match in [(dict(temperature=[-1.0]), "temperature"), (dict(temperature=[1.0], top_k=[-2]), "top_k"),
                           (dict(temperature=[1.0], top_p=[0.0]), "top_p")]:
         with pytest.raises(ValueError, match=match):
-            sd.SamplingMetadata.make(**kwargs)
+            sd.TemperatureTopKTopP.make(**kwargs)
 
 
 def test_rejection_sampler_rejects_bad_logits_shape(chapter):
     sd = chapter("spec_decode")
     meta = sd.SpecDecodeMetadata.make([[1, 2], [3]])
-    sampling = sd.SamplingMetadata.make([1.0, 1.0])
+    sampling = sd.TemperatureTopKTopP.make([1.0, 1.0])
     with pytest.raises(ValueError, match=r"target_logits must be \[sum\(num_draft_tokens \+ 1\) = 5"):
         sd.RejectionSampler()(meta, None, torch.randn(4, 6), sampling)
     with pytest.raises(ValueError, match="sampling metadata has 1 requests but the batch has 2"):
-        sd.RejectionSampler()(meta, None, torch.randn(5, 6), sd.SamplingMetadata.make([1.0]))
+        sd.RejectionSampler()(meta, None, torch.randn(5, 6), sd.TemperatureTopKTopP.make([1.0]))
     with pytest.raises(ValueError, match="backend"):
         sd.RejectionSampler("cuda")
 

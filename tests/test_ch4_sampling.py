@@ -28,12 +28,12 @@ def oracle_probs(logits, temperature, top_k, top_p):
 
 @given(st.integers(1, 20), st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.integers(0, 25),
        st.sampled_from([0.1, 0.5, 0.9, 1.0]), st.integers(0, 2**31 - 1))
-def test_compute_probs_matches_oracle(chapter, vocab, temperature, top_k, top_p, seed):
+def test_logits_to_probs_matches_oracle(chapter, vocab, temperature, top_k, top_p, seed):
     sd = chapter("spec_decode")
     # Distinct logits so that sort-order ties cannot make the oracle and the code disagree.
     logits = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).float() * 0.37
-    sampling = sd.SamplingMetadata.make([temperature], [top_k], [top_p])
-    got = sd.compute_probs(logits[None], sampling)[0]
+    sampling = sd.TemperatureTopKTopP.make([temperature], [top_k], [top_p])
+    got = sd.logits_to_probs(logits[None], sampling)[0]
     want = torch.tensor(oracle_probs(logits.tolist(), temperature, top_k, top_p))
     assert torch.allclose(got, want, atol=1e-5), f"processed probabilities differ from the oracle:\n{got}\n{want}"
     assert ((got > 0) == (want > 0)).all(), "the kept top-k/top-p set differs from the oracle"
@@ -42,7 +42,7 @@ def test_compute_probs_matches_oracle(chapter, vocab, temperature, top_k, top_p,
 def test_per_request_rows_expand(chapter):
     sd = chapter("spec_decode")
     logits = torch.randn(5, 6)
-    sampling = sd.SamplingMetadata.make([0.0, 0.5], [0, 2], [1.0, 1.0])
-    probs = sd.compute_probs(logits, sampling, torch.tensor([2, 3]))
+    sampling = sd.TemperatureTopKTopP.make([0.0, 0.5], [0, 2], [1.0, 1.0])
+    probs = sd.logits_to_probs(logits, sampling, torch.tensor([2, 3]))
     assert torch.allclose(probs[:2], logits[:2].softmax(-1)), "greedy rows keep the raw softmax"
     assert ((probs[2:] > 0).sum(-1) == 2).all(), "top_k = 2 must keep exactly two tokens per row"

@@ -52,14 +52,14 @@ def test_kernel_bad_shapes_raise():
 
 def test_rejection_sampler_triton_backend_matches_reference():
     """End to end through RejectionSampler: seeded generators give every backend the same draws."""
-    from mini_vllm.spec_decode import RejectionSampler, SamplingMetadata, SpecDecodeMetadata
+    from mini_vllm.spec_decode import RejectionSampler, SpecDecodeMetadata, TemperatureTopKTopP
 
     g = torch.Generator().manual_seed(11)
     drafts = [[1, 2, 3], [], [4, 5]]
     meta = SpecDecodeMetadata.make(drafts, device=DEVICE)
     logits = torch.randn((3 + 1) + (0 + 1) + (2 + 1), 9, generator=g).to(DEVICE)
     draft_logits = torch.randn(5, 9, generator=g).to(DEVICE)
-    sampling = SamplingMetadata.make([0.0, 0.9, 1.2], [0, 3, 0], [1.0, 1.0, 0.8])
+    sampling = TemperatureTopKTopP.make([0.0, 0.9, 1.2], [0, 3, 0], [1.0, 1.0, 0.8])
     outs = []
     for backend in ("reference", "triton"):
         gens = {i: torch.Generator(device=DEVICE).manual_seed(100 + i) for i in range(3)}

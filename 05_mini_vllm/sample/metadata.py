@@ -65,8 +65,9 @@ class SamplingMetadata:
     def batch_size(self) -> int:
         return self.temperature.shape[0]
 
-    # The two members Chapter 4's rejection sampler reads besides what its
-    # compute_probs reads, so the engine verifies drafts from this metadata too.
+    # The two members Chapter 4's rejection sampler reads besides what the
+    # probabilities step reads (`speculative.verifier.compute_probs` here), so
+    # the engine verifies drafts from this metadata too.
     @property
     def is_greedy(self) -> torch.Tensor:
         """[B] bool: the greedy rows."""

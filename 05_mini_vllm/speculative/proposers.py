@@ -1,16 +1,18 @@
-"""The engine's proposers: Chapter 4's, fed the runner's requests (vLLM:
-`vllm/v1/spec_decode/ngram_proposer.py`, `draft_model.py` / `eagle.py`).
+"""The engine's draft-model proposer (vLLM: `vllm/v1/spec_decode/draft_model.py`).
 
 After each step the runner asks its proposer for up to k tokens per request
-(`propose({req_id: confirmed tokens})` -> {req_id: drafts}, and `free(req_id)`
-when a request leaves the batch); the scheduler schedules them as lookahead
-slots (Chapter 3) and the next forward pass verifies them with Chapter 4's
-rejection sampler (`verifier.py`).
+and the scheduler schedules them as lookahead slots (Chapter 3); the next
+forward pass verifies them with Chapter 4's rejection sampler
+(`verifier.py`). The runner calls each kind of proposer its own way, as
+vLLM's runner does: Chapter 4's `mini_vllm.spec_decode.NgramProposer` as it
+is (contexts in, drafts in the same order, nothing kept per request), and
+`DraftModelProposer` here with {req_id: confirmed tokens} -> {req_id:
+drafts}, plus `free(req_id)` when a request leaves the batch.
 
-`NgramProposer` is Chapter 4's `NgramProposer`. `DraftModelProposer` is
-Chapter 4's `DraftModelProposer` whose next-token model is the draft model
-run incrementally on its own paged KV cache: Chapter 4's loop drives the k
-steps, each call feeds the draft only the tokens it has no KV for.
+`DraftModelProposer` is Chapter 4's `NextTokenModelProposer` whose
+next-token model is the draft model run incrementally on its own paged KV
+cache: Chapter 4's loop drives the k steps, each call feeds the draft only
+the tokens it has no KV for.
 
 Drafts are proposed greedily (argmax), as vLLM v1's proposers do, and passed
 to the rejection sampler without draft probabilities: a deterministic
@@ -37,17 +39,7 @@ from mini_vllm.forward_context import set_forward_context
 from mini_vllm.paged_attention import BlockAllocator, allocate_kv_cache
 
 
-class NgramProposer(spec_decode.NgramProposer):
-    """Chapter 4's prompt-lookup proposer, called with the runner's {req_id: tokens}."""
-
-    def propose(self, reqs: dict[str, list[int]]) -> dict[str, list[int]]:
-        return dict(zip(reqs, super().propose(list(reqs.values()))))
-
-    def free(self, req_id: str) -> None:
-        pass  # the lookup keeps nothing per request
-
-
-class DraftModelProposer(spec_decode.DraftModelProposer):
+class DraftModelProposer(spec_decode.NextTokenModelProposer):
     def __init__(self, model, model_config, k: int, num_blocks: int, block_size: int, dtype, device) -> None:
         # Chapter 4's loop calls self.model(contexts) once per draft position: here the
         # draft model (self.draft) run on its own paged KV cache.
@@ -161,7 +153,7 @@ class DraftModelProposer(spec_decode.DraftModelProposer):
         try:
             # Chapter 4's loop reads its own sampling metadata: temperature 0 on
             # every row, so it takes argmaxes and draws no random numbers.
-            greedy = spec_decode.SamplingMetadata.make([0.0] * len(rows))
+            greedy = spec_decode.TemperatureTopKTopP.make([0.0] * len(rows))
             tokens, _ = super().propose(contexts, greedy)  # k calls of _next_token_logits
         finally:
             self._rows = []

@@ -41,7 +41,7 @@ def spec_eligible(params: SamplingParams) -> bool:
 
 
 def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_request=None) -> torch.Tensor:
-    """Chapter 4's `compute_probs` contract with the engine sampler's processing.
+    """Chapter 4's `logits_to_probs` contract with the engine sampler's processing.
 
     logits [n, V]; rows_per_request [B]: consecutive rows per request (default
     one each). Returns float32 probabilities [n, V]: temperature, then top-k /

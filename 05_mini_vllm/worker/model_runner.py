@@ -35,6 +35,8 @@ from mini_vllm.sample.sampler import Sampler, gather_logprobs
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
+from mini_vllm.spec_decode import NgramProposer
+from mini_vllm.speculative.proposers import DraftModelProposer
 from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 
 
@@ -65,7 +67,8 @@ class ModelRunner:
         # (duck-typed, never imported here), else None.
         self.kv_connector = kv_connector
         self.spec_verifier = SpecVerifier(self.device)
-        # The speculative proposer (`speculative.proposers`), or None without
+        # The speculative proposer (Chapter 4's `NgramProposer` or
+        # `speculative.proposers.DraftModelProposer`), or None without
         # speculative decoding: after each step it drafts the next step's tokens.
         self.proposer = proposer
         # Structured outputs: the tokenizer folder and one grammar per
@@ -80,11 +83,11 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.grammars.pop(rid, None)
             batch.remove_request(rid)
-            if self.proposer is not None:
+            if isinstance(self.proposer, DraftModelProposer):  # its KV; the n-gram lookup keeps nothing
                 self.proposer.free(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)  # keep the state: a swapped request comes back
-            if self.proposer is not None:
+            if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.free(rid)
         for nr in so.scheduled_new_reqs:
             old = self.requests.get(nr.req_id)
@@ -316,7 +319,14 @@ class ModelRunner:
         return out
 
     def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Drafts for the next step, from the tokens known after this one."""
+        """Drafts for the next step, from the tokens known after this one. Each kind of
+        proposer is called its own way, as vLLM's `propose_draft_token_ids` does."""
         reqs = {rid: self.requests[rid].token_ids + toks for rid, toks in sampled.items()
                 if toks and spec_eligible(self.requests[rid].sampling_params)}
-        return {r: d for r, d in self.proposer.propose(reqs).items() if d} if reqs else {}
+        if not reqs:
+            return {}
+        if isinstance(self.proposer, NgramProposer):  # Chapter 4's: contexts in, drafts in order
+            drafts = dict(zip(reqs, self.proposer.propose(list(reqs.values()))))
+        else:  # speculative.proposers.DraftModelProposer: by request id (its KV is per request)
+            drafts = self.proposer.propose(reqs)
+        return {r: d for r, d in drafts.items() if d}

@@ -176,7 +176,8 @@ class Worker:
         self.model_runner.capture_model()
 
     def _make_proposer(self, spec, num_blocks: int):
-        from mini_vllm.speculative.proposers import DraftModelProposer, NgramProposer
+        from mini_vllm.spec_decode import NgramProposer
+        from mini_vllm.speculative.proposers import DraftModelProposer
 
         if spec.method == "ngram":
             return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
