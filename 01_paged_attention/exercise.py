@@ -7,7 +7,8 @@ Run the tests against this file with
 Start with `tests/test_ch1_examples.py`: each small case there names the
 mistake it catches (off-by-one slot, GQA head mapping, causal offset, reading
 past seq_len, -1 padding). Stuck? `01_paged_attention/HINTS.md` has hints in
-three levels, from the idea to a near-solution; read only as much as you need. The allocator and the cache allocation are given
+three levels, from the idea to the last push before the solution; read only
+as much as you need. The allocator and the cache allocation are given
 (`kv_cache.py`), and so are the argument checks of attention and
 `reshape_and_cache` (`checks.py`); the functions below are yours.
 
@@ -87,11 +88,15 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqle
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     raise NotImplementedError(
-        "paged_attention_varlen -> [num_tokens, num_heads, head_dim] in query.dtype: for every query row, "
-        "softmax(q . k * scale) @ v over the keys its position may see (causal: positions up to its own, "
-        "including the sequence's whole cached prefix), computed in float32, as a dense attention over the "
-        "same K/V would give (the tests' oracle, to 1e-5 in fp32). With GQA, query heads share KV heads in "
-        "contiguous groups as in Llama (num_heads // num_kv_heads query heads per KV head)."
+        "paged_attention_varlen(query [T, num_heads, d], key_cache / value_cache [num_blocks, block_size, "
+        "kv_heads, d], block_tables [num_seqs, max_blocks] int32, cu_seqlens_q [num_seqs + 1] int32, "
+        "seq_lens [num_seqs] int32, scale) -> [T, num_heads, d] in query.dtype. Sequence i owns query rows "
+        "cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len positions. Each row equals dense causal attention "
+        "with `scale`, in float32, over the K/V its sequence holds at positions 0 up to the row's own "
+        "position, cached prefix included (the tests' oracle, to 1e-5 in fp32). GQA: query heads share KV "
+        "heads in contiguous groups as in Llama (num_heads // num_kv_heads query heads per KV head). Only "
+        "the table entries holding positions < seq_len are read; no input is modified; argument errors are "
+        "raised by the given checks above."
     )
 
 
@@ -102,7 +107,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
     raise NotImplementedError(
-        "paged_attention_decode -> [num_seqs, num_heads, head_dim] in query.dtype: for each sequence, "
-        "attention of its one query over all seq_len cached positions; equal to paged_attention_varlen "
-        "with one query row per sequence."
+        "paged_attention_decode(query [num_seqs, num_heads, d], key_cache, value_cache, block_tables, "
+        "seq_lens, scale) -> [num_seqs, num_heads, d] in query.dtype: row i is the attention of sequence "
+        "i's one new token, at position seq_lens[i] - 1, over all its seq_lens[i] cached positions (its own "
+        "included); equal to paged_attention_varlen with one query row per sequence. Argument errors are "
+        "raised by the given checks above."
     )

@@ -8,7 +8,7 @@ def test_allocate_kv_cache_shape_dtype(chapter):
     pa = chapter("paged_attention")
     k, v = pa.allocate_kv_cache(5, 16, 2, 32, dtype=torch.bfloat16)
     assert k.shape == v.shape == (5, 16, 2, 32), "cache layout must be [num_blocks, block_size, num_kv_heads, head_dim]"
-    assert k.dtype == v.dtype == torch.bfloat16
+    assert k.dtype == v.dtype == torch.bfloat16, f"caches allocated as {k.dtype} / {v.dtype}: the dtype argument was ignored"
     assert k.data_ptr() != v.data_ptr(), "key and value caches must be separate tensors"
 
 
@@ -16,13 +16,14 @@ def test_allocator_refcounts_and_reuse(chapter):
     pa = chapter("paged_attention")
     a = pa.BlockAllocator(3)
     x, y, z = a.allocate_n(3)
-    assert sorted([x, y, z]) == [0, 1, 2] and a.num_free_blocks == 0
+    assert sorted([x, y, z]) == [0, 1, 2] and a.num_free_blocks == 0, \
+        f"allocate_n(3) on a 3-block pool gave {[x, y, z]} with {a.num_free_blocks} free: a block handed out twice or not counted"
     a.incref(y)  # y shared by two sequences
-    assert a.ref_cnt(y) == 2
+    assert a.ref_cnt(y) == 2, f"incref on a held block left ref_cnt {a.ref_cnt(y)}, expected 2: a second holder not counted"
     a.free(y)
     assert a.num_free_blocks == 0 and a.ref_cnt(y) == 1, "a shared block must stay allocated until its last user frees it"
     a.free(y)
-    assert a.num_free_blocks == 1 and a.ref_cnt(y) == 0
+    assert a.num_free_blocks == 1 and a.ref_cnt(y) == 0, "the last holder's free must return the block to the free list"
     assert a.allocate() == y, "the only free block must be handed out again"
 
 
@@ -78,7 +79,9 @@ def test_allocator_random_ops_keep_invariants(chapter):
             elif op == "free" and model[i] > 0:
                 a.free(i)
                 model[i] -= 1
-            assert [a.ref_cnt(b) for b in range(6)] == model
-            assert a.num_free_blocks == model.count(0)
+            assert [a.ref_cnt(b) for b in range(6)] == model, \
+                f"after {op} {i}: ref counts {[a.ref_cnt(b) for b in range(6)]}, expected {model}"
+            assert a.num_free_blocks == model.count(0), \
+                f"after {op} {i}: num_free_blocks {a.num_free_blocks} but {model.count(0)} blocks have no holder"
 
     run()

@@ -44,7 +44,7 @@ def test_strided_block_tables_decode_and_varlen():
     kc, vc = random_cache()
     rows = [[0, 1, 2], [3, 4, 5]]
     table = strided_table(rows, filler_block=7)
-    assert table.stride(1) == 2
+    assert table.stride(1) == 2, "setup: the block table must be a non-contiguous view (column stride 2)"
     seq_lens = i32([11, 9])
     q = torch.randn(2, HEADS, HEAD_DIM, device=DEVICE)
     out = kpa.paged_attention_decode(q, kc, vc, table, seq_lens, 0.25)

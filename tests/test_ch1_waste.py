@@ -9,7 +9,8 @@ from mini_vllm.paged_attention import waste
 def test_trace_is_deterministic_and_within_max_len():
     a = waste.synthetic_trace("ShareGPT", 300, seed=1)
     assert a == waste.synthetic_trace("ShareGPT", 300, seed=1), "same seed must give the same trace"
-    assert all(r.prompt_len >= 1 and r.output_len >= 1 and r.prompt_len + r.output_len <= waste.MAX_LEN for r in a)
+    assert all(r.prompt_len >= 1 and r.output_len >= 1 and r.prompt_len + r.output_len <= waste.MAX_LEN for r in a), \
+        "a trace request has an empty prompt or output, or exceeds MAX_LEN tokens"
 
 
 def test_trace_means_follow_thesis_ratios():
@@ -44,22 +45,28 @@ def test_orca_schemes_never_under_allocate(p, o):
 
 def test_waste_table_shape_and_ordering():
     rows = waste.waste_table(num_requests=300)
-    assert len(rows) == 2 * len(waste.SCHEMES)
+    assert len(rows) == 2 * len(waste.SCHEMES), f"{len(rows)} rows, expected one per (dataset, scheme)"
     for ds in waste.DATASETS:
         eff = {r["scheme"]: r["effective_pct"] for r in rows if r["dataset"] == ds}
         assert eff["Orca (Max)"] < eff["Orca (Pow2)"] <= eff["Orca (Oracle)"], f"{ds}: more reservation must not waste less"
         assert eff["Orca (Oracle)"] < eff["Paged (B=16)"], f"{ds}: paging must beat even exact reservation"
-        assert eff["Paged (B=8)"] >= eff["Paged (B=16)"] >= eff["Paged (B=32)"] >= eff["Paged (B=128)"]
+        assert eff["Paged (B=8)"] >= eff["Paged (B=16)"] >= eff["Paged (B=32)"] >= eff["Paged (B=128)"], \
+            f"{ds}: a larger block must not waste less (internal fragmentation grows with the block size)"
         for r in rows:
-            assert r["effective_pct"] + r["reserved_pct"] + r["internal_frag_pct"] == pytest.approx(100.0)
+            assert r["effective_pct"] + r["reserved_pct"] + r["internal_frag_pct"] == pytest.approx(100.0), \
+                f"{r['dataset']} {r['scheme']}: effective + reserved + internal fragmentation must cover all slots"
             if r["scheme"].startswith("Paged"):
                 b = int(r["scheme"][len("Paged (B="):-1])
-                assert r["max_slack_per_request"] < b
+                assert r["max_slack_per_request"] < b, \
+                    f"{r['scheme']}: a request held a whole unused block ({r['max_slack_per_request']} slots)"
 
 
 def test_measure_on_a_hand_computed_request():
     """P=3, O=3: used = 3, 4, 5. Oracle allocates 6 each time -> 12/18; B=4 allocates 4, 4, 8 -> 12/16."""
     trace = [waste.Request(3, 3)]
-    assert waste.measure(trace, "Orca (Oracle)")["effective_pct"] == pytest.approx(100 * 12 / 18)
-    assert waste.measure(trace, "Orca (Pow2)")["effective_pct"] == pytest.approx(100 * 12 / 21)
-    assert waste.measure(trace, "Orca (Max)")["effective_pct"] == pytest.approx(100 * 12 / (3 * 2048))
+    assert waste.measure(trace, "Orca (Oracle)")["effective_pct"] == pytest.approx(100 * 12 / 18), \
+        "Oracle must reserve exactly prompt + output = 6 slots at each of the 3 iterations"
+    assert waste.measure(trace, "Orca (Pow2)")["effective_pct"] == pytest.approx(100 * 12 / 21), \
+        "Pow2 must reserve the prompt plus the next power of two of the output (3 + 4 = 7 slots) at each iteration"
+    assert waste.measure(trace, "Orca (Max)")["effective_pct"] == pytest.approx(100 * 12 / (3 * 2048)), \
+        "Max must reserve MAX_LEN = 2048 slots at every iteration"

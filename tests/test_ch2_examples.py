@@ -125,7 +125,8 @@ def test_shared_block_stays_in_use_until_its_last_holder_frees_it(chapter):
         "a block still held by b was put in the free queue: free_blocks may queue a block only "
         "when its ref_cnt drops to 0")
     m.free(b)
-    assert shared.ref_cnt == 0 and queue(m).count(0) == 1
+    assert shared.ref_cnt == 0 and queue(m).count(0) == 1, \
+        "the last holder's free must queue the shared block exactly once"
 
 
 def test_free_is_tail_first(chapter):
@@ -153,7 +154,8 @@ def test_free_releases_every_block_once(chapter):
     assert m.num_free_blocks == 6 and sorted(queue(m)) == list(range(6)), \
         f"after freeing the only request every block must be free once, queue {queue(m)}"
     m.free(a)  # already freed: a no-op, never a double free
-    assert m.num_free_blocks == 6 and m.get_block_ids("a") == []
+    assert m.num_free_blocks == 6 and m.get_block_ids("a") == [], \
+        "freeing an already freed request must be a no-op, never a double free"
 
 
 # ---- hash chain --------------------------------------------------------------
@@ -273,7 +275,7 @@ def test_fork_copies_a_shared_block_before_writing_it(chapter):
     assert m.get_block_ids("c") == m.get_block_ids("p") == [0, 1], "setup: the fork shares both blocks"
     p.append_output_token(10)
     c.append_output_token(20)
-    assert m.allocate_slots(c, 1) == []
+    assert m.allocate_slots(c, 1) == [], "c's new token fits in its second block: copy-on-write appends nothing"
     assert m.get_block_ids("c")[1] != 1 and m.take_blocks_to_copy() == [(1, m.get_block_ids("c")[1])], (
         f"c wrote its token into block 1, still shared with p (c's table {m.get_block_ids('c')}): a "
         "block with ref_cnt > 1 must be copied (copy-on-write) before it is written")

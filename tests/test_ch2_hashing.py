@@ -13,8 +13,10 @@ tokens = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)
 
 def test_none_hash_is_fixed_and_documented(chapter):
     kv = chapter("kvcache")
-    assert kv.NONE_HASH == hashlib.sha256(b"mini-vllm/kvcache/NONE_HASH/v1").digest()
-    assert kv.hash_block_tokens(None, [1, 2]) == kv.hash_block_tokens(kv.NONE_HASH, [1, 2])
+    assert kv.NONE_HASH == hashlib.sha256(b"mini-vllm/kvcache/NONE_HASH/v1").digest(), \
+        "NONE_HASH changed: every process and machine must seed the chain with the same documented value"
+    assert kv.hash_block_tokens(None, [1, 2]) == kv.hash_block_tokens(kv.NONE_HASH, [1, 2]), \
+        "parent_hash=None must mean NONE_HASH: the first block of a chain hashed two ways"
 
 
 def test_hash_is_stable_across_processes(chapter, impl):
@@ -28,19 +30,22 @@ def test_hash_is_stable_across_processes(chapter, impl):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, check=True).stdout.strip())
-    assert outs == {kv.hash_block_tokens(None, [1, 2, 3], ["s"]).hex()}
+    assert outs == {kv.hash_block_tokens(None, [1, 2, 3], ["s"]).hex()}, (
+        "the same block hashed differently under PYTHONHASHSEED 1, 2 and here: Python's hash() is salted per "
+        "process; hash a fixed byte encoding with sha256")
 
 
 @given(a=tokens, b=tokens)
 def test_parent_and_content_both_matter(chapter, a, b):
     kv = chapter("kvcache")
     h = kv.hash_block_tokens
-    assert len(h(None, a)) == 32
+    assert len(h(None, a)) == 32, f"a block hash has {len(h(None, a))} bytes, expected a 32-byte sha256 digest"
     assert (h(None, a) == h(None, b)) == (a == b), "different tokens must not collide"
     pa = h(None, a)
     if a != b:
         # Same block contents under different parents (seed 004's example): different KV.
-        assert h(pa, b) != h(h(None, b), b)
+        assert h(pa, b) != h(h(None, b), b), \
+            "parent hash left out: the same block after two different parents hashed the same"
 
 
 def test_position_matters(chapter):
@@ -48,17 +53,19 @@ def test_position_matters(chapter):
     kv = chapter("kvcache")
     h1 = kv.hash_request_tokens(2, [1, 2, 5, 6])
     h2 = kv.hash_request_tokens(2, [3, 4, 5, 6])
-    assert h1[1] != h2[1]
-    assert kv.hash_request_tokens(2, [5, 6])[0] not in (h1[1], h2[1])
+    assert h1[1] != h2[1], "parent hash left out of the chain: block [5, 6] after [1, 2] and after [3, 4] collide"
+    assert kv.hash_request_tokens(2, [5, 6])[0] not in (h1[1], h2[1]), \
+        "block [5, 6] at position 0 hashed like the same tokens at position 1: the chain lost its parent"
 
 
 def test_token_encoding_is_unambiguous(chapter):
     kv = chapter("kvcache")
     h = kv.hash_block_tokens
-    assert h(None, [1, 2]) != h(None, [1, 2, 0])
-    assert h(None, [256]) != h(None, [1, 0])
-    assert h(None, [1], ["ab"]) != h(None, [1], ["a", "b"])
-    assert h(None, [1], ["x"]) != h(None, [1])
+    assert h(None, [1, 2]) != h(None, [1, 2, 0]), "ambiguous encoding: a trailing 0 token vanished (the token count is missing)"
+    assert h(None, [256]) != h(None, [1, 0]), "ambiguous encoding: [256] and [1, 0] collide (tokens need a fixed width)"
+    assert h(None, [1], ["ab"]) != h(None, [1], ["a", "b"]), \
+        "ambiguous encoding: extra keys ['ab'] and ['a', 'b'] collide (each key needs its length)"
+    assert h(None, [1], ["x"]) != h(None, [1]), "extra keys ignored: a salted block hashed like an unsalted one"
 
 
 @given(toks=st.lists(st.integers(0, 9), max_size=30), bs=st.integers(1, 6), salt=st.sampled_from([None, "t"]),
@@ -71,7 +78,7 @@ def test_request_chain_equals_manual_chain_and_continues(chapter, toks, bs, salt
     for i in range(len(toks) // bs):
         prev = kv.hash_block_tokens(prev, toks[i * bs:(i + 1) * bs], [salt] if i == 0 and salt else None)
         manual.append(prev)
-    assert full == manual
+    assert full == manual, "hash_request_tokens must chain hash_block_tokens block by block, the salt in block 0 only"
     k = min(cut, len(full))
     if k:
         rest = kv.hash_request_tokens(bs, toks, salt, parent_hash=full[k - 1], start_block=k)

@@ -17,18 +17,18 @@ def test_reused_request_id_does_not_hit_stale_hashes():
     m = KVCacheManager(num_blocks=8, block_size=BS)
     old_tokens, new_tokens = list(range(1, 10)), list(range(100, 109))
     writer = SimpleRequest("writer", old_tokens)
-    assert m.allocate_slots(writer, len(old_tokens)) is not None  # caches 2 full blocks of old_tokens
+    assert m.allocate_slots(writer, len(old_tokens)) is not None, "setup: the writer fits"  # caches 2 full blocks
 
     dropped = SimpleRequest("r", old_tokens)
     blocks, n = m.get_computed_blocks(dropped)
-    assert n == 2 * BS  # a genuine hit; the request is then dropped, never freed
+    assert n == 2 * BS, "setup: a genuine hit on the writer's 2 blocks"  # then dropped, never freed
 
     reused = SimpleRequest("r", new_tokens)  # same id, other tokens
     blocks, n = m.get_computed_blocks(reused)
     assert (blocks, n) == ([], 0), (
         "stale-hash bug: a new request reusing an id hit blocks holding another request's tokens")
     # The reused id then runs normally and caches its own tokens.
-    assert m.allocate_slots(reused, len(new_tokens)) is not None
+    assert m.allocate_slots(reused, len(new_tokens)) is not None, "setup: the reused id fits"
     again = SimpleRequest("again", new_tokens)
     assert m.get_computed_blocks(again)[1] == 2 * BS, "the reused id's own blocks must be cached under its tokens"
 
@@ -53,7 +53,7 @@ def test_fork_child_keeps_parent_hashes():
     child = SimpleRequest("c", list(range(6)), num_computed_tokens=6)
     m.fork(parent, child)
     child.all_token_ids += [6, 7, 8]
-    assert m.allocate_slots(child, 3) is not None
+    assert m.allocate_slots(child, 3) is not None, "setup: the child's 3 new tokens fit"
     probe = SimpleRequest("probe", list(range(9)))
     assert m.get_computed_blocks(probe)[1] == 2 * BS, "a forked child's second block must chain from the parent's first"
 
@@ -69,4 +69,5 @@ def test_free_blocks_is_all_or_nothing():
         assert pool.get_num_free_blocks() == 2, "non-atomic free_blocks bug: a block joined the free queue"
     pool.touch([b])  # ref_cnt 2: listing it twice is a legal release of both references
     pool.free_blocks([a, b, b])
-    assert pool.get_num_free_blocks() == 4
+    assert pool.get_num_free_blocks() == 4, \
+        "a block listed twice with 2 references is a legal release of both: every block must end free"

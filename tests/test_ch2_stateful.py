@@ -121,7 +121,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         child.all_token_ids[-1] = (child.all_token_ids[-1] + 1) % 4  # uncomputed: free to differ
         self.m.fork(parent, child)
-        assert self.m.get_block_ids(child.request_id) == self.m.get_block_ids(parent.request_id)
+        assert self.m.get_block_ids(child.request_id) == self.m.get_block_ids(parent.request_id), \
+            "a forked child must share every block of its parent"
         self.live[child.request_id] = child
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_prompt_tokens for r in self.live.values()))
@@ -131,7 +132,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(r for r, q in self.live.items()
                                                if q.num_computed_tokens < q.num_prompt_tokens)))
         self.m.free(self.live.pop(rid))
-        assert self.m.get_block_ids(rid) == []
+        assert self.m.get_block_ids(rid) == [], "an aborted request must hold no blocks after free"
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -139,7 +140,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Finish (or abort) any live request."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.m.free(self.live.pop(rid))
-        assert self.m.get_block_ids(rid) == []
+        assert self.m.get_block_ids(rid) == [], "a freed request must hold no blocks"
 
     @rule()
     def reset(self):
@@ -147,7 +148,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.m.reset_prefix_cache() == (not in_use), \
             "reset_prefix_cache must be refused exactly while a block is in use"
         if not in_use:
-            assert not self.m.block_pool.cached_block_hash_to_block
+            assert not self.m.block_pool.cached_block_hash_to_block, "a successful reset must empty the hash map"
 
     # ---- invariants ----------------------------------------------------------------
     @invariant()
@@ -167,8 +168,11 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} != {holders[b.block_id]} live holders (leak?)"
             assert (b.block_id in free_ids) == (b.ref_cnt == 0), \
                 f"block {b.block_id} must be free-queued iff ref_cnt == 0"
-        assert self.m.num_free_blocks == len(free_ids) == sum(h == 0 for h in holders.values())
-        assert abs(self.m.usage - (1 - len(free_ids) / self.n)) < 1e-12
+        assert self.m.num_free_blocks == len(free_ids) == sum(h == 0 for h in holders.values()), (
+            f"num_free_blocks {self.m.num_free_blocks}, {len(free_ids)} queued, "
+            f"{sum(h == 0 for h in holders.values())} without a holder: the free count drifted from the queue")
+        assert abs(self.m.usage - (1 - len(free_ids) / self.n)) < 1e-12, \
+            f"usage {self.m.usage} is not the fraction of blocks out of the free queue"
         # Hash map <-> block hashes, and every hash is the true hash of the block's KV.
         mapped = set()
         for h, entry in pool.cached_block_hash_to_block.items():
@@ -185,7 +189,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 want = self.mod.hash_request_tokens(self.bs, list(prefix), salt)[-1]
                 assert b.block_hash == want, f"block {b.block_id} hash does not match its contents"
         s = self.m.prefix_cache_stats
-        assert 0 <= s.hits <= s.queries
+        assert 0 <= s.hits <= s.queries, f"prefix cache stats hits {s.hits} > queries {s.queries}"
 
     def teardown(self):
         if hasattr(self, "m"):
