@@ -32,13 +32,17 @@ class SchedulerConfig:
     # Asynchronous scheduling (seed 001 §4.6.1): step N + 1 is scheduled before
     # step N's tokens are known; each token in flight is an output placeholder.
     async_scheduling: bool = False
+    # Speculative decoding's k (vLLM: num_speculative_tokens). Under asynchronous
+    # scheduling each step of a request that samples is followed by one with k
+    # placeholder drafts, which the runner fills with the drafts it proposed.
+    num_spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "staging_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("long_prefill_token_threshold", "num_cpu_blocks"):
+        for name in ("long_prefill_token_threshold", "num_cpu_blocks", "num_spec_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")

@@ -36,7 +36,7 @@ from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from .mini_runner import MiniRunner
 from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .policy import running_order, waiting_order  # noqa: F401  (for your schedule())
-from .request import EngineCoreOutput, Request, RequestStatus, SamplingParams
+from .request import PLACEHOLDER_TOKEN_ID, EngineCoreOutput, Request, RequestStatus, SamplingParams  # noqa: F401
 from .scheduler_base import SchedulerBase
 from .step_base import StepStateBase
 from .swap import CpuBlockPool
@@ -114,15 +114,19 @@ class Scheduler(SchedulerBase):
             "Contract: returns True iff this step samples a token for req: its Δ reaches the end of every "
             "position whose token is known or in flight (req.num_tokens + req.num_output_placeholders; a "
             "mid-prefill chunk does not reach it, draft positions count as reached). With "
-            "self.config.async_scheduling that token is now in flight: req holds one more output placeholder "
-            "until it arrives. Afterwards req.num_computed_tokens has advanced by d and its drafts "
-            "(req.spec_token_ids) are consumed.")
+            "self.config.async_scheduling the step's tokens are now in flight: req holds one more output "
+            "placeholder for the sampled token and one per draft scheduled in this step (positions past "
+            "the known and in-flight ones), until they arrive or are rejected; and since the next step is "
+            "decided before they are known, req.spec_token_ids becomes self.config.num_spec_tokens "
+            "PLACEHOLDER_TOKEN_IDs when req.spec_decode (the runner fills them). Otherwise its drafts are consumed "
+            "(req.spec_token_ids empty). Either way req.num_computed_tokens has advanced by d.")
 
     def _replace_placeholder(self, req, sampled: list[int]) -> bool:
         """TODO: the tokens `sampled` of one step arrived for `req`; True if they fill a placeholder."""
         raise NotImplementedError(
             "_replace_placeholder(req, sampled) -> bool, called by update_from_output for every request that "
             "sampled. Contract: False, and nothing changes, when req holds no output placeholder "
-            "(synchronous scheduling). Otherwise the arrival replaces one placeholder, and because the "
-            "runner appended these tokens itself, they count as already sent to it (req.num_tokens_sent, "
-            "when not None, grows by their number; the next step's new_token_ids must not repeat them).")
+            "(synchronous scheduling). Otherwise each arrived token replaces one placeholder (the "
+            "rejected drafts' placeholders were removed before this call), and because the runner "
+            "appended these tokens itself, they count as already sent to it (req.num_tokens_sent, when "
+            "not None, grows by their number; the next step's new_token_ids must not repeat them).")

@@ -20,6 +20,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
+# A token id that is no token (vLLM's name): a draft scheduled before it is known
+# (asynchronous scheduling), or padding after a verified request's emitted tokens
+# (Chapter 4's rejection sampler, which imports it from here).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.IntEnum):
     """Life cycle: WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
@@ -91,6 +96,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
+        spec_decode: bool = True,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
@@ -112,6 +118,10 @@ class Request:
         self.num_cached_tokens = -1
         # Draft tokens proposed for the next step (Chapter 4 fills this).
         self.spec_token_ids: list[int] = []
+        # False: drafts are never scheduled for it (the engine's verifier cannot
+        # reproduce its sampling: a seed, logprobs, penalties...), so asynchronous
+        # scheduling gives it no placeholder drafts either.
+        self.spec_decode = bool(spec_decode)
         self.num_preemptions = 0
         # Swap preemption: CPU blocks holding this request's KV while swapped out.
         self.swapped_cpu_block_ids: list[int] = []

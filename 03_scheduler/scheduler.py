@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .output import SchedulerOutput
 from .policy import running_order, waiting_order
-from .request import Request
+from .request import PLACEHOLDER_TOKEN_ID, Request
 from .scheduler_base import SchedulerBase
 from .step import StepState
 
@@ -80,11 +80,16 @@ class Scheduler(SchedulerBase):
         count of `AsyncScheduler`'s override)."""
         # Samples iff the step reaches the end of its known tokens and placeholders (a
         # mid-prefill chunk does not); drafts count as reached.
-        samples = req.num_computed_tokens + d >= req.num_tokens + req.num_output_placeholders
-        if samples and self.config.async_scheduling:
-            req.num_output_placeholders += 1  # its token is now in flight
-        req.num_computed_tokens += d
+        known = req.num_tokens + req.num_output_placeholders
+        samples = req.num_computed_tokens + d >= known
         req.spec_token_ids = []  # consumed (or trimmed away) this step
+        if samples and self.config.async_scheduling:
+            # Up to 1 + (drafts scheduled) tokens are now in flight, each a placeholder;
+            # the next step gets k placeholder drafts, which the runner fills.
+            req.num_output_placeholders += 1 + max(0, req.num_computed_tokens + d - known)
+            if req.spec_decode:
+                req.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.config.num_spec_tokens
+        req.num_computed_tokens += d
         return samples
 
     def _replace_placeholder(self, req: Request, sampled: list[int]) -> bool:
@@ -94,7 +99,7 @@ class Scheduler(SchedulerBase):
         (vLLM: `AsyncScheduler._update_request_with_output`)."""
         if req.num_output_placeholders == 0:
             return False  # synchronous, or a step scheduled before any was counted
-        req.num_output_placeholders -= 1
+        req.num_output_placeholders -= len(sampled)
         if req.num_tokens_sent is not None:
             req.num_tokens_sent += len(sampled)  # the runner appended them itself
         return True

@@ -234,6 +234,8 @@ class SchedulerBase(ABC):
         for req, sampled, rejected in checked:
             if req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens -= rejected  # Table 4.1, speculative decoding row
+            if req.num_output_placeholders:  # asynchronous: a rejected draft was a placeholder too
+                req.num_output_placeholders -= rejected
             if not sampled:
                 continue  # mid-prefill chunk: nothing is sampled yet
             placeholder = self._replace_placeholder(req, sampled)

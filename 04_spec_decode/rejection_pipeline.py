@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from mini_vllm.scheduler.request import PLACEHOLDER_TOKEN_ID  # pads the output after the emitted tokens
+
 from .random_draws import generate_exponential_noise, generate_uniform_probs
 from .sampling import logits_to_probs, sample_from_probs
-
-PLACEHOLDER_TOKEN_ID = -1  # pads the [B, max_k + 1] output after each request's emitted tokens
 BACKENDS = ("reference", "torch", "triton")
 
 

@@ -83,7 +83,7 @@ class EngineConfig:
     # vLLM's --async-scheduling (seed 001 §4.6.1): the core schedules step N + 1
     # while step N runs, with a placeholder for each token in flight. None decides
     # as vLLM 0.32 does: on for CUDA unless something incompatible is asked for
-    # (here: speculative decoding, more than one rank, a KV connector), off on a
+    # (here: n-gram speculation, more than one rank, a KV connector), off on a
     # CPU (vLLM's CPU platform turns it off: the step runs on the cores the
     # scheduler would overlap with). True with an incompatible option is an error.
     async_scheduling: bool | None = None
@@ -126,18 +126,21 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None (decide by device) or a bool, "
                              f"got {self.async_scheduling!r}")
-        # Drafts are proposed from the token in flight, a connector saves blocks by
-        # known tokens, and the TP driver broadcasts in step order: none is placeholder-aware.
+        # A connector saves blocks by known tokens and the TP driver broadcasts in step
+        # order: neither is placeholder-aware. Speculation needs a known draft length (k
+        # placeholders per step, filled by the runner): a draft model has one; the n-gram
+        # lookup may find fewer drafts or none (vLLM 0.32 refuses its CPU n-gram too).
+        spec_ok = self.speculative is None or self.speculative.method == "draft_model"
         blockers = [(name, value) for name, value, ok in (
             ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
-            ("speculative_config", self.speculative_config, self.speculative_config is None),
+            ("speculative_config", self.speculative_config, spec_ok),
             ("kv_transfer_config", self.kv_transfer_config, self.kv_transfer_config is None)) if not ok]
         if self.async_scheduling is None:
             self.async_scheduling = torch.device(self.device).type == "cuda" and not blockers
         elif self.async_scheduling and blockers:
             name, value = blockers[0]
-            raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size), "
-                             f"got {value!r}")
+            raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size; "
+                             f"for speculative_config, method 'draft_model' is allowed), got {value!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)
@@ -195,4 +198,5 @@ class EngineConfig:
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
             preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
-            async_scheduling=self.async_scheduling)
+            async_scheduling=self.async_scheduling,
+            num_spec_tokens=self.speculative.num_speculative_tokens if self.speculative is not None else 0)

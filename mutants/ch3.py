@@ -153,7 +153,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="placeholder_never_subtracted",
         path=SCHED,
-        old="""        req.num_output_placeholders -= 1
+        old="""        req.num_output_placeholders -= len(sampled)
         if req.num_tokens_sent""",
         new="""        if req.num_tokens_sent""",
         tests=["tests/test_ch3_async_placeholders.py"],
@@ -166,6 +166,30 @@ MUTANTS: list[Mutant] = [
         new="if self.config.async_scheduling:",
         tests=["tests/test_ch3_async_placeholders.py"],
         why="a mid-prefill chunk counts a placeholder for a token no step will sample",
+    ),
+    Mutant(
+        name="no_placeholder_drafts_under_async",
+        path=SCHED,
+        old="                req.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.config.num_spec_tokens",
+        new="                req.spec_token_ids = []",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="under async speculation the next step is scheduled without drafts: speculation stops",
+    ),
+    Mutant(
+        name="rejected_draft_placeholders_kept",
+        path=SCHED_BASE,
+        old="                req.num_output_placeholders -= rejected",
+        new="                pass",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="a rejected draft keeps its placeholder: positions run ahead of every token that exists",
+    ),
+    Mutant(
+        name="placeholder_drafts_for_a_request_without_drafts",
+        path=SCHED,
+        old="            if req.spec_decode:",
+        new="            if True:",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="a seeded or logprobs request gets drafts the engine's verifier cannot reproduce",
     ),
     Mutant(
         name="appended_token_sent_again",

@@ -125,7 +125,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="placeholder_never_subtracted",
         path="03_scheduler/scheduler.py",
-        old="        req.num_output_placeholders -= 1",
+        old="        req.num_output_placeholders -= len(sampled)",
         new="        req.num_output_placeholders -= 0",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
         why="a token that came back never replaces its placeholder: the scheduler computes positions "

@@ -101,3 +101,90 @@ def test_tokens_the_runner_appended_are_not_sent_again(mod):
             if cr.new_token_ids and not cr.resumed_from_preemption:
                 resent[cr.req_id] = resent.get(cr.req_id, 0) + len(cr.new_token_ids)
     assert not resent, f"tokens sent again to a runner that appended them itself: {resent}"
+
+
+K = 3  # drafts per step in the speculative workload
+
+
+def draft(rid: str, index: int) -> int:
+    """The runner's deterministic drafter: right (the model's token) except at every third
+    index, so some steps accept all their drafts, some a few, and some none."""
+    right = token(rid, index)
+    return right if index % 3 else right + 100
+
+
+def drive_spec(mod, async_scheduling: bool):
+    """Speculative decoding with k = K: the runner verifies the scheduled drafts against the
+    model (greedy: the accepted prefix, then the model's token). Synchronous: the drafts reach
+    the scheduler through update_draft_token_ids after each step. Asynchronous: the scheduler
+    schedules PLACEHOLDER_TOKEN_IDs, and the runner, which knows how many tokens each request
+    has emitted (steps run in order), feeds its own drafts in their place."""
+    cfg = mod.SchedulerConfig(max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
+                              async_scheduling=async_scheduling, num_spec_tokens=K)
+    s = mod.Scheduler(cfg, 64, 4, enable_prefix_caching=True)
+    reqs = [mod.Request(f"r{i}", [3 + (i * 5 + j) % 40 for j in range(5 + 4 * i)],
+                        mod.SamplingParams(max_tokens=9 + i, stop_token_ids=(0,)), eos_token_id=1,
+                        arrival_time=float(i), spec_decode=i != 2) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    outputs = {r.request_id: [] for r in reqs}
+    emitted = {r.request_id: 0 for r in reqs}  # the runner's count, ahead of the scheduler's
+    inflight, max_ph, placeholder_steps = deque(), 0, 0
+    for _ in range(500):
+        if not (s.has_unfinished_requests() or inflight):
+            break
+        if s.has_unfinished_requests() and len(inflight) < (2 if async_scheduling else 1):
+            so = s.schedule()
+            placeholder_steps += any(d and all(t == mod.PLACEHOLDER_TOKEN_ID for t in d)
+                                     for d in so.scheduled_spec_decode_tokens.values())
+            assert not so.scheduled_spec_decode_tokens.get("r2"), \
+                "drafts scheduled for r2, a request with spec_decode=False (the engine cannot verify its sampling)"
+            # The step runs now, in order (the runner's view): verify, emit, propose.
+            toks, drafts = {}, {}
+            for rid in so.num_scheduled_tokens:
+                fed = so.scheduled_spec_decode_tokens.get(rid, [])
+                if rid not in so.sampling_req_ids or s.requests.get(rid) is None:
+                    toks[rid] = []
+                    continue
+                i = emitted[rid]
+                mine = [draft(rid, i + j) for j in range(len(fed))]
+                assert async_scheduling or fed == mine, f"{rid}: the scheduler scheduled {fed}, drafts were {mine}"
+                out = [token(rid, i)]
+                for j, d in enumerate(mine):
+                    if d != token(rid, i + j):
+                        break
+                    out.append(token(rid, i + j + 1))
+                toks[rid] = out
+                emitted[rid] += len(out)
+                drafts[rid] = [draft(rid, emitted[rid] + j) for j in range(K)]
+            inflight.append((so, toks, drafts))
+            max_ph = max([max_ph] + [r.num_output_placeholders for r in reqs])
+            assert max_ph <= len(inflight) * (1 + K), (
+                f"{max_ph} placeholders with {len(inflight)} step(s) in flight of at most 1 + {K} tokens each: "
+                "a rejected draft's placeholder was never given back, or a token did not replace its own")
+            if async_scheduling and len(inflight) < 2 and so.total_num_scheduled_tokens:
+                continue
+        so, toks, drafts = inflight.popleft()
+        for out in s.update_from_output(so, mod.ModelRunnerOutput.from_dict(toks)):
+            outputs[out.request_id] += out.new_token_ids
+        if not async_scheduling:
+            s.update_draft_token_ids({r: d for r, d in drafts.items() if r in s.requests and s.requests[r].spec_decode})
+    else:
+        pytest.fail("the workload did not finish in 500 steps")
+    return s, reqs, outputs, max_ph, placeholder_steps
+
+
+def test_async_with_drafts_emits_the_synchronous_tokens(mod):
+    """Speculative decoding under asynchronous scheduling: a step that samples puts up to
+    1 + (its drafts) tokens in flight, the next step gets K placeholder drafts (none for a
+    request that takes no drafts), rejected drafts give their placeholders back."""
+    _, sync_reqs, want, _, _ = drive_spec(mod, False)
+    s, reqs, got, max_ph, placeholder_steps = drive_spec(mod, True)
+    assert placeholder_steps > 0, ("no step was scheduled with placeholder drafts: under asynchronous scheduling "
+                                   "a request that sampled must get config.num_spec_tokens PLACEHOLDER_TOKEN_IDs")
+    assert got == want, ("asynchronous speculation changed the tokens: placeholders counted without the step's "
+                         "drafts, or the rejected drafts' placeholders kept (positions run ahead)")
+    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs]
+    assert all(r.num_output_placeholders == 0 for r in reqs), \
+        "a placeholder outlived its step: a rejected draft's placeholder was never given back"
+    assert s.kv_cache_manager.usage == 0.0, "blocks leaked after every request finished"

@@ -15,6 +15,7 @@ import pytest
 
 from engine_utils import assert_pool_full, make_llm
 from mini_vllm import SamplingParams
+from mini_vllm.course.tiny_models import model_path
 from mini_vllm.sampling_params import StructuredOutputsParams
 
 PROMPTS = [list(range(300 + 7 * i, 330 + 11 * i)) for i in range(6)]
@@ -164,10 +165,55 @@ def test_abort_while_a_step_is_in_flight_frees_everything():
 
 
 def test_async_scheduling_refuses_what_it_cannot_do():
+    """As vLLM 0.32: speculation with a known draft length (a draft model) runs
+    asynchronously; the n-gram lookup, whose drafts may be fewer or none, does not."""
     for kw, field in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                        "speculative_config"), (dict(tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=field):
             make_llm(async_scheduling=True, **kw)
+
+
+DRAFT_SPEC = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3}
+
+
+def _spec_params():
+    """Greedy requests get drafts; a seeded one and one asking for logprobs do not (the
+    verifier could not reproduce them), so both kinds share every batch."""
+    return [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=33, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=36, temperature=0, ignore_eos=True, logprobs=1),
+            SamplingParams(max_tokens=29, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=41, temperature=0, stop_token_ids=[7], ignore_eos=False)]
+
+
+@pytest.mark.parametrize("variant", ["plain", "chunked", "recompute"])
+def test_async_scheduling_with_a_draft_model(variant):
+    """Asynchronous scheduling with speculative decoding: each step is scheduled with
+    k placeholder drafts for every request whose previous step is in flight, and the
+    runner fills them with the drafts it proposed after that step, at the positions
+    that step's verification left (the scheduler learns of the rejections a step
+    later). Tokens must equal synchronous speculation's, and greedy ones the plain
+    engine's; drafts must really be accepted and rejected, so both corrections run."""
+    kw = dict(VARIANTS[variant], speculative_config=DRAFT_SPEC)
+    runs = {}
+    for mode in (False, True):
+        llm = make_llm(async_scheduling=mode, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _spec_params(), use_tqdm=False)
+        assert_pool_full(llm)
+        runs[mode] = (_summary(outs), llm.llm_engine.engine_core.call_utility("spec_decoding_stats"))
+    (want, sync_stats), (got, stats) = runs[False], runs[True]
+    assert got == want, (f"{variant}: asynchronous speculation changed the outputs (drafts read at the scheduler's "
+                         "optimistic positions instead of the ones verification left, the runner's own drafts not "
+                         "used for the placeholders, or rejected placeholders never subtracted)")
+    assert 0 < stats["num_accepted"] < stats["num_drafts"], \
+        f"{variant}: drafts were all accepted or all rejected ({stats}): the rejection path was not exercised"
+    plain = make_llm(async_scheduling=False, **VARIANTS[variant])
+    greedy = [p for p in _spec_params() if p.temperature == 0]
+    prompts = [{"prompt_token_ids": p} for p, sp in zip(PROMPTS, _spec_params()) if sp.temperature == 0]
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    got_greedy = [g[0][0] for g, sp in zip(got, _spec_params()) if sp.temperature == 0]
+    assert got_greedy == base, f"{variant}: greedy tokens under asynchronous speculation differ from no speculation"
 
 
 def test_async_scheduling_default_is_decided_as_vllm_decides():
@@ -182,7 +228,9 @@ def test_async_scheduling_default_is_decided_as_vllm_decides():
                                          "platform turns it off)"),
              (dict(device="cuda"), True, "a CUDA engine not scheduled asynchronously by default"),
              (dict(device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 2}), False,
-              "the CUDA default turned async scheduling on with speculative decoding, which it cannot run"),
+              "the CUDA default turned async scheduling on with n-gram speculation, which it cannot run"),
+             (dict(device="cuda", speculative_config=DRAFT_SPEC), True,
+              "the CUDA default left async scheduling off with a draft model, which it runs (as vLLM)"),
              (dict(device="cuda", tensor_parallel_size=2), False,
               "the CUDA default turned async scheduling on with two ranks"),
              (dict(device="cpu", async_scheduling=True), True, "an explicit async_scheduling=True was dropped"),

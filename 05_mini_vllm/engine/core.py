@@ -32,6 +32,7 @@ from mini_vllm.executor.abstract import Executor
 from mini_vllm.metrics.stats import SchedulerStats
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
+from mini_vllm.speculative.verifier import spec_eligible
 
 logger = logging.getLogger("mini_vllm")
 
@@ -82,10 +83,11 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Turn the front end's validated request into the scheduler's `Request`
         (vLLM's `EngineCore.add_request` after `preprocess_add_request`)."""
+        spec = self.config.speculative is not None and spec_eligible(request.sampling_params)
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
-            priority=request.priority, cache_salt=request.cache_salt))
+            priority=request.priority, cache_salt=request.cache_salt, spec_decode=spec))
 
     def abort_requests(self, request_ids) -> None:
         """Finish requests decided outside the scheduler (vLLM's `abort_requests`):
@@ -148,15 +150,17 @@ class EngineCore:
         return out
 
     def _check_placeholders(self) -> None:
-        """Each placeholder is a token of a batch still in the queue: a request can
-        never have more than the queue holds. Fails fast (the engine dies with this
-        message) instead of scheduling positions whose tokens will never come."""
-        n = len(self.batch_queue)
+        """Each placeholder is a token of a batch still in the queue (a sampled token, or
+        a draft that may be accepted): a request can never have more than 1 + k per batch
+        the queue holds. Fails fast (the engine dies with this message) instead of
+        scheduling positions whose tokens will never come."""
+        n = len(self.batch_queue) * (1 + self.scheduler.config.num_spec_tokens)
         for req in self.scheduler.requests.values():  # preempted ones too: they wait for theirs
             if not 0 <= req.num_output_placeholders <= n:
                 raise RuntimeError(
-                    f"request {req.request_id!r} has {req.num_output_placeholders} output placeholders with "
-                    f"{n} step(s) in flight: a token that came back did not replace its placeholder")
+                    f"request {req.request_id!r} has {req.num_output_placeholders} output placeholders, at most "
+                    f"{n} allowed ({len(self.batch_queue)} step(s) in flight, 1 + k each): a token that came back "
+                    "did not replace its placeholder, or a rejected draft kept its own")
 
     def _schedule(self):
         return self.scheduler.schedule()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.worker.async_drafts import AsyncDrafts
 from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.model_forward import ModelForward, eager_config
@@ -71,6 +72,12 @@ class ModelRunner:
         # `speculative.proposers.DraftModelProposer`), or None without
         # speculative decoding: after each step it drafts the next step's tokens.
         self.proposer = proposer
+        # Asynchronous scheduling with speculation: the drafts kept between steps and the
+        # runner's own computed counts (`async_drafts.py`); None otherwise.
+        self.async_drafts = AsyncDrafts() if async_scheduling and proposer is not None else None
+        # This step's drafts to verify, by request id (set by _prepare_inputs): the
+        # scheduled ones, with placeholders filled by the runner's own.
+        self.step_drafts: dict[str, list[int]] = {}
         # Structured outputs: the tokenizer folder and one grammar per
         # constrained request, built on its first sampling step.
         self.tokenizer_path = tokenizer_path
@@ -85,10 +92,14 @@ class ModelRunner:
             batch.remove_request(rid)
             if isinstance(self.proposer, DraftModelProposer):  # its KV; the n-gram lookup keeps nothing
                 self.proposer.free(rid)
+            if self.async_drafts is not None:
+                self.async_drafts.drop(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)  # keep the state: a swapped request comes back
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.free(rid)
+            if self.async_drafts is not None:
+                self.async_drafts.drop(rid)
         for nr in so.scheduled_new_reqs:
             old = self.requests.get(nr.req_id)
             gen = old.generator if old is not None else self._make_generator(nr.sampling_params)
@@ -100,7 +111,11 @@ class ModelRunner:
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
             st.token_ids.extend(cr.new_token_ids)
-            st.num_computed_tokens = cr.num_computed_tokens
+            if self.async_drafts is None or cr.resumed_from_preemption:
+                st.num_computed_tokens = cr.num_computed_tokens
+            elif cr.num_computed_tokens < st.num_computed_tokens:  # async_drafts.py's invariant
+                raise RuntimeError(f"request {cr.req_id!r}: the scheduler counts {cr.num_computed_tokens} computed "
+                                   f"tokens, fewer than the {st.num_computed_tokens} this runner computed")
             if cr.resumed_from_preemption or cr.replace_block_ids:
                 st.block_ids = list(cr.new_block_ids)
                 batch.add_request(st)
@@ -114,7 +129,7 @@ class ModelRunner:
                 batch.append_token_ids(row, cr.new_token_ids)
             if cr.new_block_ids:
                 batch.append_block_ids(row, cr.new_block_ids)
-            batch.num_computed_tokens[row] = cr.num_computed_tokens
+            batch.num_computed_tokens[row] = st.num_computed_tokens
 
     def _make_generator(self, params):
         # A Chapter 3 scheduler's own SamplingParams (max_tokens and stop rules
@@ -133,11 +148,15 @@ class ModelRunner:
                            count=len(req_ids))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         computed = batch.num_computed_tokens[rows]
+        self.step_drafts = {}  # every scheduled draft is verified
         for i, rid in enumerate(req_ids):  # drafts sit after the known tokens
             drafts = so.scheduled_spec_decode_tokens.get(rid)
             if drafts:
                 n = int(batch.num_tokens[rows[i]])
+                if self.async_drafts is not None and AsyncDrafts.are_placeholders(drafts):
+                    drafts = self.async_drafts.fill(rid, drafts, int(batch.token_ids_cpu[rows[i], n - 1]))
                 batch.token_ids_cpu[rows[i], n:n + len(drafts)] = drafts
+                self.step_drafts[rid] = list(drafts)
         query_start_loc = compute_query_start_loc(num_sched)
         positions = compute_positions(computed, num_sched)
         req_indices = np.repeat(np.arange(len(req_ids)), num_sched)
@@ -199,8 +218,8 @@ class ModelRunner:
             idx = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             plain, plain_rows, spec, spec_rows, row = [], [], [], [], 0
-            for i in sample_req:  # each sampling request owns k + 1 consecutive logits rows
-                k = len(so.scheduled_spec_decode_tokens.get(req_ids[i], ()))
+            for i in sample_req:  # each verifying request owns k + 1 consecutive logits rows
+                k = len(self.step_drafts.get(req_ids[i], ()))
                 (spec if k else plain).append(i)
                 (spec_rows.extend(range(row, row + k + 1)) if k else plain_rows.append(row))
                 row += k + 1
@@ -210,17 +229,38 @@ class ModelRunner:
             if spec:
                 rids = [req_ids[i] for i in spec]
                 emitted = self.spec_verifier.verify(
-                    logits[spec_rows], [so.scheduled_spec_decode_tokens[r] for r in rids],
+                    logits[spec_rows], [self.step_drafts[r] for r in rids],
                     self._sampling_metadata([self.requests[r] for r in rids], logits.device))
                 sampled.update(zip(rids, emitted))
         if self.async_scheduling:
             self._append_sampled(sampled)
+            if self.async_drafts is not None:
+                self._advance_computed(so, req_ids, md.query_lens_cpu, sampled)
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = self._prompt_logprobs(hidden, req_ids, md) or None
         if self.proposer is not None:
-            mro.spec_token_ids = self._propose_drafts(sampled)
+            drafts = self._propose_drafts(sampled)
+            if self.async_drafts is None:
+                mro.spec_token_ids = drafts  # for the scheduler's next schedule()
+            else:  # the next step is scheduled already, with placeholders this runner fills
+                self.async_drafts.store([r for r, t in sampled.items() if t], drafts)
         return mro
+
+    def _advance_computed(self, so, req_ids: list[str], num_sched: list[int], sampled: dict) -> None:
+        """Asynchronous speculation: this runner's count of computed tokens moves by what
+        the step computed and kept (scheduled tokens minus rejected drafts), see
+        async_drafts.py; the scheduler learns of the rejections a step later."""
+        batch = self.input_batch
+        for rid, n in zip(req_ids, num_sched):
+            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            toks = sampled.get(rid)
+            rejected = len(drafts) - (len(toks) - 1) if drafts and toks else 0
+            st = self.requests[rid]
+            st.num_computed_tokens += n - rejected
+            row = batch.req_id_to_index.get(rid)
+            if row is not None:
+                batch.num_computed_tokens[row] = st.num_computed_tokens
 
     def capture_model(self) -> None:
         """Capture the CUDA graphs (nothing without a graph mode); after the KV
@@ -321,8 +361,9 @@ class ModelRunner:
     def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step, from the tokens known after this one. Each kind of
         proposer is called its own way, as vLLM's `propose_draft_token_ids` does."""
-        reqs = {rid: self.requests[rid].token_ids + toks for rid, toks in sampled.items()
-                if toks and spec_eligible(self.requests[rid].sampling_params)}
+        # Under asynchronous scheduling the runner appended this step's tokens already.
+        reqs = {rid: self.requests[rid].token_ids + ([] if self.async_scheduling else toks)
+                for rid, toks in sampled.items() if toks and spec_eligible(self.requests[rid].sampling_params)}
         if not reqs:
             return {}
         if isinstance(self.proposer, NgramProposer):  # Chapter 4's: contexts in, drafts in order
