@@ -121,15 +121,18 @@ class KVCacheManager(KVCacheManagerBase):
     block_pool_cls = BlockPool
     hash_request_tokens = staticmethod(hash_request_tokens)
 
-    def get_computed_blocks(self, request: Any) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Any,
+                            record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """TODO: (hit blocks, hit tokens): the longest run of cached full blocks at the head."""
         raise NotImplementedError(
-            "get_computed_blocks(request) -> (blocks, num_tokens): the longest run of cached full blocks "
-            "at the head of the request's tokens, in logical order, and its length in tokens ([], 0 when "
-            "caching is off). The last prompt token is never covered (its logits are needed). Block i "
-            "counts only if blocks 0..i-1 did. Reference counts are not changed (allocate_slots touches the "
-            "hits). With caching on, self.prefix_cache_stats counts the lookup: one request, its num_tokens "
-            "as queries, the returned tokens as hits.")
+            "get_computed_blocks(request, record_stats=True) -> (blocks, num_tokens): the longest run of "
+            "cached full blocks at the head of the request's tokens, in logical order, and its length in "
+            "tokens ([], 0 when caching is off). The last prompt token is never covered (its logits are "
+            "needed). Block i counts only if blocks 0..i-1 did. Reference counts are not changed "
+            "(allocate_slots touches the hits). With caching on and record_stats, self.prefix_cache_stats "
+            "counts the lookup: one request, its num_tokens as queries, the returned tokens as hits; "
+            "record_stats=False is a probe that leaves the stats alone (a scheduler that looks a request up "
+            "many times counts it once).")
 
     def free(self, request: Any) -> None:
         """TODO: release all the request's blocks, tail first."""

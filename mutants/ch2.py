@@ -71,6 +71,14 @@ MUTANTS: list[Mutant] = [
         why="Python's hash() is salted per process: hashes disagree across processes and machines",
     ),
     Mutant(
+        name="probe_counts_stats",
+        path=MANAGER,
+        old="        if record_stats:\n",
+        new="        if True:\n",
+        tests=TESTS,
+        why="a probe lookup (record_stats=False) is counted: a request looked up every step inflates the hit rate",
+    ),
+    Mutant(
         name="head_first_free",
         path=MANAGER,
         old="self.block_pool.free_blocks(reversed(blocks))",

@@ -35,6 +35,10 @@ def test_prefix_hit_and_stats(chapter):
         f"stats (requests, queries, hits) = {(s.requests, s.queries, s.hits)}, expected (2, 20, 8): each lookup "
         "counts one request, its tokens as queries and the hit tokens")
     assert all(x.ref_cnt == 0 for x in hit), "get_computed_blocks must not take references"
+    probe = m.get_computed_blocks(b, record_stats=False)
+    assert probe == (hit, n) and (s.requests, s.queries, s.hits) == (2, 20, 8), (
+        f"a probe (record_stats=False) changed the stats to {(s.requests, s.queries, s.hits)} or the answer: "
+        "it must find the same hit and leave prefix_cache_stats alone")
 
 
 def test_last_prompt_token_is_always_recomputed(chapter):
