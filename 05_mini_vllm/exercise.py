@@ -7,7 +7,7 @@ against the scheduler (tests/test_ch5_prepare_inputs.py, test_ch5_runner.py),
 then plugs your `ModelRunner` into real engines (`plug_runner`): greedy tokens
 must equal Hugging Face's, and must not change with batching, chunked
 prefill, prefix hits or preemption. Stuck? `05_mini_vllm/HINTS.md` has hints
-in three levels, from the idea to a near-solution.
+in three levels, from the idea to the last push before the solution.
 
 Part 1, the runner (vLLM: `vllm/v1/worker/gpu_model_runner.py`):
 - `compute_query_start_loc`, `compute_positions`, `compute_slot_mapping`: the
@@ -145,16 +145,17 @@ class ModelRunner:
     def execute_model(self, so) -> ModelRunnerOutput:
         """TODO: one engine step: SchedulerOutput in, ModelRunnerOutput out."""
         raise NotImplementedError(
-            "execute_model(so) -> ModelRunnerOutput. Contract: the persistent batch is updated first; the "
-            "KV blocks move as the scheduler planned before any layer reads them, in the order "
-            "so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy (self.cache_engine.swap_out / "
-            "swap_in / copy); a step with no scheduled token returns ModelRunnerOutput([], {}, []). "
-            "Otherwise the model runs once over the flat batch (with set_forward_context(md): "
-            "self.model(input_ids, positions) -> hidden [T, H], which also writes this step's KV), logits "
-            "are computed only at logit_rows (self.model.compute_logits), and self._sample turns them into "
-            "tokens. The output (ModelRunnerOutput.from_dict) maps every scheduled request "
-            "to [its token] if it sampled, else []; its .logprobs is the dict _sample filled, or None if "
-            "empty. Drafts (so.scheduled_spec_decode_tokens) are not part of the exercise.")
+            "execute_model(so) -> ModelRunnerOutput. Output: ModelRunnerOutput.from_dict(d), d mapping every "
+            "request of so.num_scheduled_tokens to [the token it sampled] if it samples this step (sample_req "
+            "of _prepare_inputs), else []; its .logprobs is the dict _sample filled, or None if empty. A step "
+            "with no scheduled token returns ModelRunnerOutput([], {}, []). Invariants: the persistent batch "
+            "reflects so before anything reads it; so's KV block moves happen on every step, empty or not, "
+            "before any layer reads the cache, in the order so.blocks_to_swap_out, so.blocks_to_swap_in, "
+            "so.blocks_to_copy (self.cache_engine.swap_out / swap_in / copy); the model runs once per step "
+            "over the whole flat batch, its attention layers reading md from set_forward_context(md) "
+            "(self.model(input_ids, positions) -> hidden [T, H], which also writes this step's KV); only "
+            "the sampling rows reach the LM head (self.model.compute_logits) and self._sample. Drafts "
+            "(so.scheduled_spec_decode_tokens) are not part of the exercise.")
 
     def _sample(self, logits: torch.Tensor, rids: list[str], sampled: dict, logprobs: dict) -> None:
         """Given: sample one token per row of `logits` [len(rids), V] for requests `rids`;

@@ -7,7 +7,7 @@ Each test's message names the mistake it catches. The unit tests come first
 `kv_transfer_config={..., "kv_connector_module_path": "mini_vllm.global_cache.exercise"}`
 share an in-process pool through your connector, and their tokens must equal
 an engine's without the pool. Stuck? `06_global_prefix_cache/HINTS.md` has
-hints in three levels, from the idea to a near-solution.
+hints in three levels, from the idea to the last push before the solution.
 
 You write four pieces:
 - `block_keys`: the store key of every full block of a request;
