@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -28,6 +29,7 @@ from server_utils import pid_alive
 
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "for i in range(10):"]
 HANG_GUARD_S = 120
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 def _wait_gone(pid: int) -> bool:
@@ -146,17 +148,9 @@ def test_no_core_process_outlives_shutdown_or_garbage_collection():
     assert _wait_gone(pb), "the core process outlived its LLM (nothing stopped it on garbage collection)"
 
 
-def test_core_process_exits_when_its_front_end_is_killed(tmp_path):
-    script = tmp_path / "front.py"
-    script.write_text(
-        "import os, signal, sys\n"
-        f"sys.path.insert(0, {str(os.path.dirname(__file__))!r})\n"
-        "from engine_utils import make_llm\n"
-        "if __name__ == '__main__':\n"
-        "    llm = make_llm(block_size=16, multiprocess_mode=True)\n"
-        "    print(llm.llm_engine.engine_core.proc.pid, flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+def test_core_process_exits_when_its_front_end_is_killed():
+    r = subprocess.run([sys.executable, str(PROGRAMS / "front_end_killed.py")], capture_output=True, text=True,
+                       timeout=HANG_GUARD_S)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     core = int(r.stdout.split()[0])
     assert _wait_gone(core), "the core process kept running after its front end was killed (an orphan)"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine_utils import assert_pool_full, hf_greedy, make_llm, make_llm_for, run_greedy, target_path
+from hf_configs import RANDOM_CONFIGS
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer
 
@@ -94,7 +95,6 @@ def test_greedy_matches_hf_on_every_architecture(name, tmp_path_factory, impl):
     from transformers import AutoModelForCausalLM
 
     from mini_vllm.course.tiny_models import model_path
-    from test_ch5_models import RANDOM_CONFIGS
 
     if name in RANDOM_CONFIGS:
         torch.manual_seed(7)

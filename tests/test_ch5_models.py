@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
-from hf_configs import tiny_config
+from hf_configs import RANDOM_CONFIGS
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.forward_context import set_forward_context
 from mini_vllm.models import load_model, set_attention_backend
@@ -28,19 +28,6 @@ ATOL = 1e-4
 BACKENDS = ["torch", "triton"]
 
 
-# name -> config factory; GQA ratios 1/2/4, tied and untied, llama3 rope scaling.
-RANDOM_CONFIGS = {
-    "llama-mha-untied": lambda: tiny_config(LlamaConfig, num_attention_heads=4, num_key_value_heads=4,
-                                           tie_word_embeddings=False),
-    "llama3-rope-gqa2-tied": lambda: tiny_config(
-        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "qwen2-gqa4-tied": lambda: tiny_config(Qwen2Config, num_attention_heads=4, num_key_value_heads=1,
-                                          tie_word_embeddings=True),
-    "qwen3-gqa2-untied-bias": lambda: tiny_config(Qwen3Config, num_attention_heads=4, num_key_value_heads=2,
-                                                 head_dim=32, attention_bias=True, tie_word_embeddings=False),
-}
 MODELS = list(RANDOM_CONFIGS) + ["tiny-py-target", "tiny-py-draft"]
 
 

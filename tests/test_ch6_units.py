@@ -3,10 +3,12 @@ values with checksums, keys and fingerprints, the LRU byte budget, and the
 connector's matching logic (`get_num_new_matched_tokens`) against a pool
 filled by hand. The serde and matching tests also run with --impl=exercise."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from mini_vllm.global_cache import (KVConnectorRole, KVLayout, KVTransferConfig,
                                     StoreUnavailable)
 
 LAYOUT = KVLayout("m", "float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=3)
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 def block_for(i: int, layout=LAYOUT) -> torch.Tensor:
@@ -295,10 +298,10 @@ def test_block_keys_are_the_same_in_every_process(chapter, impl):
     """Last in the file: it starts a Python process (a few seconds)."""
     gc = chapter("global_cache")
     mod = "mini_vllm.global_cache" + (".exercise" if impl == "exercise" else "")
-    code = (f"import {mod} as gc; from mini_vllm.global_cache import KVLayout; "
-            f"print(gc.block_keys('p', KVLayout(*{dataclasses.astuple(LAYOUT)!r}), {KEY_TOKENS!r}, 's'))")
+    args = [mod, "p", json.dumps(dataclasses.astuple(LAYOUT)), json.dumps(KEY_TOKENS), "s"]
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # another str hash than this process's
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == str(gc.block_keys("p", LAYOUT, KEY_TOKENS, "s")), \
+    out = subprocess.run([sys.executable, str(PROGRAMS / "block_keys.py"), *args],
+                         env=dict(os.environ, PYTHONHASHSEED=seed), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == gc.block_keys("p", LAYOUT, KEY_TOKENS, "s"), \
         "keys differ between processes: Python's hash() is salted per process (PYTHONHASHSEED)"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -17,6 +18,8 @@ from engine_utils import make_llm, run_greedy
 from mini_vllm.global_cache.valkey_server import ValkeyServerProcess
 from global_cache_utils import (BS, assert_same_as_reference, computed_per_request, flush,
                                 greedy_logprobs, prompts_with_prefix, recording_llm, with_impl)
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 @pytest.fixture(scope="module")
@@ -45,31 +48,19 @@ def reference():
     return make_llm()
 
 
-CHILD = """
-import json, sys, torch
-torch.set_num_threads(1)
-sys.path.insert(0, {tests!r})
-from engine_utils import make_llm, run_greedy
-llm = make_llm(kv_transfer_config={tc!r})
-out = run_greedy(llm, {prompts!r}, 3)
-assert llm.llm_engine.engine_core.engine_core.kv_connector_worker.flush(20)
-print(json.dumps({{"out": out, "saved": llm.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_saved}}))
-"""
-
-
 def test_two_engine_processes_share_one_server(fresh, reference, impl):
     """With --impl=exercise both engines use the exercise's connector."""
     prefix, a_prompts = prompts_with_prefix(21, 2, 320, 25)
     _, tails = prompts_with_prefix(22, 3, 0, 19)
     b_prompts = [prefix + t for t in tails]
-    code = CHILD.format(tests=os.path.dirname(__file__), tc=with_impl(tc(fresh.url), impl), prompts=a_prompts)
+    args = [json.dumps(with_impl(tc(fresh.url), impl)), json.dumps(a_prompts), "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=120)
+    res = subprocess.run([sys.executable, str(PROGRAMS / "valkey_engine.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     child = json.loads(res.stdout.strip().splitlines()[-1])
     assert child["out"] == run_greedy(reference, a_prompts, 3), "engine A's tokens changed"
-    assert child["saved"] > 0
+    assert child["saved"] > 0, "engine A saved no block to the server"
     b, log = recording_llm(kv_transfer_config=with_impl(tc(fresh.url), impl))
     assert_same_as_reference(greedy_logprobs(b, b_prompts, 4),
                              greedy_logprobs(reference, b_prompts, 4), "engine B")

@@ -13,6 +13,7 @@ fp32 cases come first in the file: a planted mistake fails there before the
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,21 +280,20 @@ def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
         assert_close(one[i:i + 1], dense_causal_attention(qs[i], ks[i], vs[i], 0.125), torch.float32, f"decode {i}")
 
 
-# The fresh-process tests below: each starts numba's pool once, in a new interpreter.
-# TINY_DECODE is a small kernel call for their code (with cpa imported).
-TINY_DECODE = ("kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)\n"
-               "cpa.paged_attention_decode(torch.randn(2, 4, 32), kc, vc,\n"
-               "                           torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
-               "                           torch.tensor([20, 30], dtype=torch.int32), 0.2)\n")
+# The fresh-process tests below: each starts numba's pool once, in a new interpreter,
+# running one case of tests/programs/numba_threads.py.
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
-def run_fresh(code: str, failure: str, **env: str) -> list[str]:
-    """Run `code` in a fresh interpreter, with this process's OMP_NUM_THREADS and
-    NUMBA_NUM_THREADS removed and `env` added; returns the words it printed.
-    `failure` names the bug a non-zero exit means."""
+def run_fresh(case: list[str], failure: str, **env: str) -> list[str]:
+    """Run numba_threads.py's `case` (its name, then its argument if any) in a fresh
+    interpreter, with this process's OMP_NUM_THREADS and NUMBA_NUM_THREADS removed
+    and `env` added; returns the words it printed. `failure` names the bug a
+    non-zero exit means."""
     full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
     full.update(env)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+    out = subprocess.run([sys.executable, str(PROGRAMS / "numba_threads.py"), *case], capture_output=True,
+                         text=True, env=full, timeout=300)
     assert out.returncode == 0, f"{failure}:\n" + out.stderr[-2000:]
     return out.stdout.split()
 
@@ -302,13 +302,8 @@ def test_the_kernel_keeps_torchs_thread_count():
     """Where numba's OpenMP layer shares torch's libgomp, its start-up sets the
     process-wide OpenMP thread count to every core. In a fresh process (the
     start-up happens once), torch must still use the 1 thread it was set to."""
-    code = ("import torch\n"
-            "torch.set_num_threads(1)\n"
-            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
-            + TINY_DECODE +
-            "print(torch.get_num_threads())\n")
     # NUMBA_NUM_THREADS=2: as on any machine with 2 or more cores, pinned or not
-    seen = run_fresh(code, "the kernel failed in a fresh process", NUMBA_NUM_THREADS="2")
+    seen = run_fresh(["torch-threads-kept"], "the kernel failed in a fresh process", NUMBA_NUM_THREADS="2")
     assert seen[-1] == "1", (f"after the kernel's first call torch uses {seen[-1]} threads, "
                              "not the 1 it was set to: numba's OpenMP start-up overrode torch's setting")
 
@@ -320,15 +315,7 @@ def test_importing_the_kernels_keeps_omp_num_threads():
     later torch op (the linears) ran on all cores, 2 threads on 1 pinned core in
     the server. torch must still use 1 thread after the import, a layer op and
     a kernel call."""
-    code = ("import torch\n"
-            "from mini_vllm.kernels import cpu_layer_ops as L\n"
-            "seen = [torch.get_num_threads()]\n"
-            "L.silu_and_mul(torch.randn(8, 16)); seen.append(torch.get_num_threads())\n"
-            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
-            + TINY_DECODE +
-            "seen.append(torch.get_num_threads())\n"
-            "print(*seen)\n")
-    seen = run_fresh(code, "the layer ops or the kernel failed in a fresh process",
+    seen = run_fresh(["omp-threads-kept"], "the layer ops or the kernel failed in a fresh process",
                      OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
     assert seen == ["1", "1", "1"], (
         f"torch's thread counts after import / layer op / kernel call: {seen}, not 1 as "
@@ -340,25 +327,13 @@ def test_a_kernel_imported_on_one_core_uses_two_threads_later():
     """numba fixes its pool size at import. A process pinned to one core when it
     first imports the kernel, then widened to two (as the benchmarks do between
     their 1- and 2-thread phases), must run the kernel on two threads."""
-    code = ("import os, torch\n"
-            "os.sched_setaffinity(0, {0})\n"
-            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
-            "import numba\n"
-            "os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
-            "torch.set_num_threads(2)\n"
-            "seen = []\n"
-            "real = numba.set_num_threads\n"
-            "cpa.numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]\n"
-            "cpa.KERNEL_THREADS = 2\n"
-            + TINY_DECODE +
-            "print(seen[-1])\n")
-    seen = run_fresh(code, "the kernel failed after its process was widened to 2 cores")
+    seen = run_fresh(["widened-after-import"], "the kernel failed after its process was widened to 2 cores")
     assert seen[-1] == "2", (f"the kernel ran on {seen[-1]} thread(s) with torch at 2: "
                              "numba's pool kept the size of the affinity it was imported under")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to pin to one of them")
-@pytest.mark.parametrize("first,wide", [("import numba", 1), ("from mini_vllm.kernels import cpu_layer_ops", 2)])
+@pytest.mark.parametrize("first,wide", [("numba", 1), ("mini_vllm.kernels.cpu_layer_ops", 2)])
 def test_numba_imported_before_the_kernel_on_one_core(first, wide):
     """If numba has read its configuration (a pool of 1 on one core) before
     the kernel module widens the pool, numba re-checks its configuration on a
@@ -367,18 +342,7 @@ def test_numba_imported_before_the_kernel_on_one_core(first, wide):
     cpu_layer_ops imported numba before the kernel module. With numba
     imported first by the user the pool keeps its size (and still runs); with
     cpu_layer_ops first it must get every CPU."""
-    code = ("import os, torch\n"
-            "os.sched_setaffinity(0, {0})\n"
-            f"{first}\n"
-            "from mini_vllm.kernels import cpu_layer_ops as L\n"
-            "from mini_vllm.kernels import cpu_paged_attention as cpa\n"
-            "import numba\n"
-            "os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
-            "torch.set_num_threads(2)\n"
-            "L.rms_norm(torch.randn(8, 16), torch.ones(16), 1e-6)\n"
-            + TINY_DECODE +
-            "print(numba.config.NUMBA_NUM_THREADS)\n")
-    seen = run_fresh(code, "a parallel op failed after numba was imported on one core")
+    seen = run_fresh(["imported-on-one-core", first], "a parallel op failed after numba was imported on one core")
     assert int(seen[-1]) >= wide, "numba's pool kept the size of the affinity it was imported under"
 
 

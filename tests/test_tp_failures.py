@@ -15,6 +15,7 @@ from engine_utils import greedy, make_llm, run_greedy
 from tp_utils import fail_on_rank, wait_no_tp_children
 
 PROMPTS = [[11, 12, 13, 14, 15] * 4, [200, 300, 400]]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 def test_killed_worker_fails_fast_with_a_clear_error():
@@ -82,15 +83,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see the orphan")
 def test_workers_exit_when_the_driver_is_killed():
     """SIGKILL runs no finalizer: the worker must notice its peer's closed sockets and exit."""
-    code = ("import os, signal, torch; torch.set_num_threads(1)\n"
-            "from mini_vllm import LLM\n"
-            "from mini_vllm.course.tiny_models import model_path\n"
-            "llm = LLM(str(model_path('tiny-py-target')), device='cpu', kv_cache_memory_bytes=8 << 20,"
-            " tensor_parallel_size=2)\n"
-            "print(llm.llm_engine.engine_core.engine_core.executor.procs[0].pid, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([sys.executable, str(PROGRAMS / "tp_driver_killed.py")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     pid = int(out.stdout.split()[-1])
     deadline = time.monotonic() + 20
