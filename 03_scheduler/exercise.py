@@ -4,7 +4,8 @@ Run the chapter's tests against your code with
     .venv/bin/pytest -q tests/test_ch3_*.py --impl=exercise
 Start with `tests/test_ch3_examples.py`: each of its small cases names the
 mistake it catches. Stuck? `03_scheduler/HINTS.md` has hints in three levels,
-from the idea to a near-solution; read only as much as you need.
+from the idea to the last push before the solution; read only as much as
+you need.
 
 You write four methods:
 - `StepState.schedule_running`: give a running request its Δ, preempting
@@ -61,11 +62,11 @@ class StepState(StepStateBase):
         """TODO: schedule one running request's Δ, preempting until its blocks fit."""
         raise NotImplementedError(
             "schedule_running(req) -> None. Contract: a request preempted earlier in this step (its id in "
-            "self.preempted) or with nothing left (self.delta(...) <= 0) is left alone. Otherwise it ends "
-            "either scheduled for its Δ, with KV slots for its new tokens and its drafts as lookahead "
-            "slots (self.kv.allocate_slots), recorded by self._commit_running; or, when the slots do not "
-            "fit, after preempting running requests (self.pick_victim, self.preempt) until they do. If it "
-            "is itself the victim, it is not scheduled in this step. Under asynchronous scheduling, positions "
+            "self.preempted) or with nothing left (self.delta(...) <= 0) is left alone. Otherwise, on return, "
+            "either it is scheduled for its Δ (recorded by self._commit_running) and holds KV slots for its "
+            "new tokens and its drafts as lookahead slots (self.kv.allocate_slots), or it was itself a victim "
+            "and is not scheduled in this step. Victims are the requests self.pick_victim chooses, preempted "
+            "with self.preempt, and only while its slots do not fit. Under asynchronous scheduling, positions "
             "whose token is still in flight (req.num_output_placeholders) count as known: computed ahead "
             "like known tokens, never as drafts; a request whose token in flight is its last (it reaches "
             "max_tokens or max_model_len) gets nothing.")
