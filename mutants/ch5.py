@@ -78,7 +78,7 @@ MUTANTS: list[Mutant] = [
         path="03_scheduler/scheduler_base.py",
         old="replace = resumed or rid in cow",
         new="replace = resumed",
-        tests=API,
+        tests=["tests/test_scheduler_copy_on_write.py"],
         why="after copy-on-write the runner keeps writing into the shared block (forked samples corrupt each other)",
     ),
     Mutant(
@@ -153,9 +153,19 @@ MUTANTS: list[Mutant] = [
         path=RUNNER,
         old="""        if self.async_scheduling:
             self._append_sampled(sampled)""",
-        new="",
+        new="""        if self.async_scheduling:
+            pass""",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
         why="the runner waits for the scheduler to send tokens it sampled itself: the next step reads a stale input",
+    ),
+    Mutant(
+        name="runner_reads_the_optimistic_positions",
+        path=RUNNER,
+        old="            if self.async_drafts is None or cr.resumed_from_preemption:",
+        new="            if True:",
+        tests=[ASYNC + "::test_async_scheduling_with_a_draft_model[plain]"],
+        why="under async speculation the runner takes the scheduler's count, which assumes every draft in "
+            "flight was accepted: rejected positions are skipped and the KV has holes",
     ),
     Mutant(
         name="capture_size_not_padded_to",
