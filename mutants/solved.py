@@ -60,9 +60,10 @@ NgramProposer._propose = staticmethod(propose_ngram)
 from .sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
 from .worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 from .worker.model_runner import ModelRunner as _Reference
-for _name in ("_update_states", "_prepare_inputs", "execute_model", "_prompt_logprobs"):
+for _name in ("_update_states", "_prepare_inputs", "execute_model"):
     setattr(ModelRunner, _name, getattr(_Reference, _name))
 ModelRunner.grammars = {}  # the reference's state for structured outputs (never used here)
+ModelRunner.async_drafts = None  # and for speculation under asynchronous scheduling (off here)
 """),
     "6": ("06_global_prefix_cache/exercise.py", """
 from .keys import block_keys

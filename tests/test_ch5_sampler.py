@@ -275,3 +275,17 @@ def test_empty_batch():
     assert out.sampled_token_ids.shape == (0,) and out.logprobs_tensors is None, "an empty batch samples nothing"
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(2, 7), md)
+
+
+def test_greedy_argmax_is_argmax_on_ties():
+    """The greedy pick (`max(dim).indices`, faster than argmax on the CPU) must be argmax's
+    pick: the first of tied maxima, in fp32 and bf16, NaN rows included."""
+    from mini_vllm.sample.sampler import greedy_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randint(0, 3, (64, 6144), generator=g).to(dtype)  # every row full of ties
+        x[5, 100] = float("nan")
+        got, want = greedy_argmax(x), x.argmax(dim=-1)
+        assert torch.equal(got, want), (f"{dtype}: greedy_argmax picked {got[got != want][:4].tolist()} where argmax "
+                                        f"picks {want[got != want][:4].tolist()}: not the first of tied maxima")

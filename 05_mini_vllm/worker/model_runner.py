@@ -31,8 +31,9 @@ from mini_vllm.worker.async_drafts import AsyncDrafts
 from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.model_forward import ModelForward, eager_config
+from mini_vllm.worker.prompt_logprobs import prompt_logprobs_dict
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
-from mini_vllm.sample.sampler import Sampler, gather_logprobs
+from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
@@ -238,7 +239,7 @@ class ModelRunner:
                 self._advance_computed(so, req_ids, md.query_lens_cpu, sampled)
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
-        mro.prompt_logprobs_dict = self._prompt_logprobs(hidden, req_ids, md) or None
+        mro.prompt_logprobs_dict = prompt_logprobs_dict(self.model, self.requests, hidden, req_ids, md) or None
         if self.proposer is not None:
             drafts = self._propose_drafts(sampled)
             if self.async_drafts is None:
@@ -321,42 +322,6 @@ class ModelRunner:
             g.advance(st.output_token_ids)
             g.fill_bitmask(bitmask, j)
         return bitmask
-
-    def _prompt_logprobs(self, hidden, req_ids: list[str], md) -> dict:
-        """Log-softmax of the raw logits at every prompt row of this step, for
-        requests with prompt_logprobs. Row p predicts prompt token p + 1, so a
-        prompt of P tokens has P - 1 entries; the chunk starting at position s
-        with q tokens fills entries s .. min(s + q, P - 1) - 1. Raw logits, as
-        vLLM's default logprobs mode: no temperature or penalty applies to a
-        prompt. A request preempted mid-prompt recomputes and rewrites the same
-        entries."""
-        out, start_row = {}, 0
-        for i, rid in enumerate(req_ids):
-            q = md.query_lens_cpu[i]
-            row0, start_row = start_row, start_row + q
-            st = self.requests[rid]
-            k = st.sampling_params.prompt_logprobs
-            if k is None or st.prompt_logprobs_sent:
-                continue
-            n_prompt = len(st.prompt_token_ids)
-            start = md.seq_lens_cpu[i] - q  # tokens computed before this step
-            if st.prompt_logprobs_in_progress is None:
-                st.prompt_logprobs_in_progress = (np.zeros((n_prompt - 1, k + 1), np.int64),
-                                                  np.zeros((n_prompt - 1, k + 1), np.float32),
-                                                  np.zeros(n_prompt - 1, np.int64))
-            n = min(q, n_prompt - 1 - start)
-            if n > 0:
-                logits = self.model.compute_logits(hidden[row0:row0 + n])
-                targets = torch.tensor(st.prompt_token_ids[start + 1:start + 1 + n], device=logits.device)
-                lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
-                ids, vals, ranks = st.prompt_logprobs_in_progress
-                ids[start:start + n] = lp.logprob_token_ids.cpu().numpy()
-                vals[start:start + n] = lp.logprobs.cpu().numpy()
-                ranks[start:start + n] = lp.selected_token_ranks.cpu().numpy()
-            if start + q >= n_prompt:  # the prompt is complete: this step samples its first token
-                out[rid] = tuple(a.tolist() for a in st.prompt_logprobs_in_progress)
-                st.prompt_logprobs_in_progress, st.prompt_logprobs_sent = None, True
-        return out
 
     def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step, from the tokens known after this one. Each kind of
