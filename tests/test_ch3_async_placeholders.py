@@ -70,7 +70,8 @@ def test_async_emits_the_synchronous_tokens(mod, chunked):
     s, reqs, got, _, _ = drive(mod, True, chunked)
     assert got == want, ("asynchronous scheduling changed the tokens: a placeholder was counted for a step "
                          "that does not sample, or a token did not replace its placeholder")
-    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs]
+    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs], (
+        "asynchronous scheduling changed a finish reason: a placeholder was taken for a real token in the stop checks")
     assert s.kv_cache_manager.usage == 0.0, "blocks leaked after every request finished"
 
 
@@ -184,7 +185,8 @@ def test_async_with_drafts_emits_the_synchronous_tokens(mod):
                                    "a request that sampled must get config.num_spec_tokens PLACEHOLDER_TOKEN_IDs")
     assert got == want, ("asynchronous speculation changed the tokens: placeholders counted without the step's "
                          "drafts, or the rejected drafts' placeholders kept (positions run ahead)")
-    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs]
+    assert [r.get_finished_reason() for r in reqs] == [r.get_finished_reason() for r in sync_reqs], (
+        "asynchronous speculation changed a finish reason: a placeholder draft was counted toward max_tokens or stop")
     assert all(r.num_output_placeholders == 0 for r in reqs), \
         "a placeholder outlived its step: a rejected draft's placeholder was never given back"
     assert s.kv_cache_manager.usage == 0.0, "blocks leaked after every request finished"

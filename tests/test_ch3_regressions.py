@@ -54,7 +54,8 @@ def two_full_requests(policy):
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
-    assert set(out.num_scheduled_tokens) == {"A", "B"}
+    assert set(out.num_scheduled_tokens) == {"A", "B"}, (
+        f"setup: both prompts must fit the 4-block pool in one step, scheduled {set(out.num_scheduled_tokens)}")
     s.update_from_output(out, ModelRunnerOutput.from_dict({"A": [1], "B": [2]}))
     return s, s.schedule()
 
@@ -64,7 +65,9 @@ def test_fcfs_preempts_last_admitted_not_lowest_priority():
     assert out.preempted_req_ids == {"B"}, (
         "FCFS victim bug: under fcfs the last-admitted request (B) must be preempted, "
         f"the priority field ignored; got {out.preempted_req_ids}")
-    assert set(out.num_scheduled_tokens) == {"A"}
+    assert set(out.num_scheduled_tokens) == {"A"}, (
+        "FCFS victim bug: the preempted B was scheduled anyway, or A lost its decode; scheduled "
+        f"{set(out.num_scheduled_tokens)}")
 
 
 def test_priority_policy_still_preempts_by_priority():
@@ -86,7 +89,8 @@ def test_prefix_cache_stats_count_each_admitted_request_once():
         out = s.schedule()
         s.update_from_output(out, ModelRunnerOutput.from_dict({r: [7] for r in out.num_scheduled_tokens}))
         steps += 1
-        assert steps < 50
+        assert steps < 50, (
+            "4 short requests did not finish in 50 steps: SRTF starves a request, or a finished one stays queued")
     st = s.kv_cache_manager.prefix_cache_stats
     assert st.requests == 4, f"inflated prefix-cache stats bug: 4 admitted requests counted as {st.requests}"
     assert st.queries == sum(map(len, prompts)), "queries must be the admitted prompts' tokens, once each"
@@ -117,10 +121,12 @@ def test_update_is_all_or_nothing():
         s.update_from_output(out, ModelRunnerOutput.from_dict({"x": [1], "y": []}))  # y completed, sampled nothing
     after = {r: (list(s.requests[r].all_token_ids), s.requests[r].num_computed_tokens) for r in ("x", "y")}
     assert after == before, "update_from_output atomicity bug: x was updated before y's error was found"
-    assert all(s.requests[r].status == RequestStatus.RUNNING for r in ("x", "y"))
+    assert all(s.requests[r].status == RequestStatus.RUNNING for r in ("x", "y")), (
+        "update_from_output atomicity bug: a request changed status before the step's error was found")
     # The same step with a valid output then applies cleanly.
     res = s.update_from_output(out, ModelRunnerOutput.from_dict({"x": [1], "y": [2]}))
-    assert [o.new_token_ids for o in res] == [[1], [2]]
+    assert [o.new_token_ids for o in res] == [[1], [2]], (
+        f"a rejected update_from_output left state behind: the valid retry emitted {[o.new_token_ids for o in res]}")
 
 
 # ------------------------------------------------------------- cost model

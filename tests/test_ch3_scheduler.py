@@ -39,7 +39,8 @@ def test_table41_chunked_prefill_then_decode(mod):
         rows.append((out.num_scheduled_tokens["a"], r.num_computed_tokens, r.num_tokens))
     assert rows == [(4, 4, 10), (4, 8, 10), (2, 10, 11), (1, 11, 12), (1, 12, 13)], \
         f"chunked prefill rows differ from Table 4.1: {rows}"
-    assert r.get_finished_reason() == "length"
+    assert r.get_finished_reason() == "length", (
+        f"max_tokens stop missed: 3 outputs must finish with 'length', got {r.get_finished_reason()}")
 
 
 def test_table41_prefill_whole_without_chunking(mod):
@@ -47,7 +48,9 @@ def test_table41_prefill_whole_without_chunking(mod):
     r = req(mod, "a", 10)
     s.add_request(r)
     out, _ = step(mod, s)
-    assert out.num_scheduled_tokens == {"a": 10} and r.num_tokens == 11
+    assert out.num_scheduled_tokens == {"a": 10} and r.num_tokens == 11, (
+        "with chunking off the whole 10-token prompt must run in one step and sample a token: "
+        f"{out.num_scheduled_tokens}, num_tokens {r.num_tokens}")
 
 
 def test_table41_prefix_caching_sets_computed(mod):
@@ -70,10 +73,14 @@ def test_table41_speculative_rollback(mod):
     step(mod, s)  # prefill -> num_tokens 7, computed 6
     r.spec_token_ids = [7, 8, 9]
     out, _ = step(mod, s, {"a": [7, 3]})  # draft 7 accepted, 3 replaces draft 8
-    assert out.num_scheduled_tokens["a"] == 4 and out.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
+    assert out.num_scheduled_tokens["a"] == 4 and out.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}, (
+        "drafts not scheduled: 1 + 3 drafts must be scheduled and reported as spec tokens, got "
+        f"{out.num_scheduled_tokens} {out.scheduled_spec_decode_tokens}")
     assert (r.num_computed_tokens, r.num_tokens) == (6 + 4 - 2, 7 + 3 - 2 + 1), \
         "rejected drafts must roll back num_computed_tokens"
-    assert r.output_token_ids[-2:] == [7, 3]
+    assert r.output_token_ids[-2:] == [7, 3], (
+        "the accepted draft 7 and the 3 sampled in place of draft 8 must be the last outputs (rejected drafts "
+        f"kept?), got {r.output_token_ids}")
 
 
 def test_table41_preemption_resets_and_recomputes(mod):
@@ -94,12 +101,16 @@ def test_table41_preemption_resets_and_recomputes(mod):
             seen = computed_b
         elif seen and "b" in out.num_scheduled_tokens and out.scheduled_new_reqs:
             nr = out.scheduled_new_reqs[0]
-            assert nr.req_id == "b" and len(nr.token_ids) > 7
+            assert nr.req_id == "b" and len(nr.token_ids) > 7, (
+                "a resumed request must be resent as new with prompt + outputs (its output tokens dropped?): "
+                f"{nr.req_id} with {len(nr.token_ids)} tokens")
             assert out.num_scheduled_tokens["b"] == len(nr.token_ids), \
                 "a resumed request recomputes prompt + output in one pass"
             seen = None
     assert seen is None, "expected b (latest arrival) to be preempted and resumed"
-    assert a.get_finished_reason() == b.get_finished_reason() == "length"
+    assert a.get_finished_reason() == b.get_finished_reason() == "length", (
+        f"preemption lost a request: both must run to max_tokens, got {a.get_finished_reason()} "
+        f"{b.get_finished_reason()}")
 
 
 @pytest.mark.parametrize("sp,sampled,reason,n_out", [
@@ -115,7 +126,9 @@ def test_stop_rules(mod, sp, sampled, reason, n_out):
         if r.is_finished():
             break
         step(mod, s, {"a": [t]})
-    assert r.get_finished_reason() == reason and r.num_output_tokens == n_out
+    assert r.get_finished_reason() == reason and r.num_output_tokens == n_out, (
+        f"stop rule bug: want {reason} after {n_out} outputs, got {r.get_finished_reason()} after "
+        f"{r.num_output_tokens}")
 
 
 def test_max_model_len_caps(mod):
@@ -124,7 +137,8 @@ def test_max_model_len_caps(mod):
     s.add_request(r)
     while not r.is_finished():
         step(mod, s)
-    assert r.num_tokens == 12 and r.get_finished_reason() == "length"
+    assert r.num_tokens == 12 and r.get_finished_reason() == "length", (
+        f"max_model_len not enforced: want 12 tokens and 'length', got {r.num_tokens} {r.get_finished_reason()}")
 
 
 def test_add_request_rejects_impossible(mod):
@@ -278,4 +292,5 @@ def test_step_counts_for_the_metrics(mod):
     assert 14 + 7 <= prompt_tokens <= 14 + 7 * preemptions, \
         f"chunked prompts add up to 14 tokens, and a recomputed prompt counts again: got {prompt_tokens}"
     stats = s.make_stats()
-    assert stats.num_preemptions == preemptions and stats.num_running_reqs == 0 == stats.num_waiting_reqs
+    assert stats.num_preemptions == preemptions and stats.num_running_reqs == 0 == stats.num_waiting_reqs, (
+        f"make_stats miscounts: {preemptions} preemptions and an empty queue expected, got {stats}")

@@ -77,7 +77,9 @@ def make_machine(mod):
                     r.spec_token_ids = [data.draw(st.integers(1, 5)) for _ in range(k)]
             before = {rid: r.num_computed_tokens for rid, r in self.reqs.items()}
             out = self.sched.schedule()
-            assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+            assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()), (
+                f"total_num_scheduled_tokens {out.total_num_scheduled_tokens} is not the sum of the per-request "
+                f"counts {out.num_scheduled_tokens}")
             assert out.total_num_scheduled_tokens <= self.cfg.max_num_batched_tokens, \
                 "token budget exceeded"
             assert len(out.num_scheduled_tokens) <= self.cfg.max_num_seqs, "max_num_seqs exceeded"
@@ -101,7 +103,7 @@ def make_machine(mod):
                 return
             req = data.draw(st.sampled_from(live))
             self.sched.finish_requests([req.request_id], mod.RequestStatus.FINISHED_ABORTED)
-            assert req.is_finished()
+            assert req.is_finished(), f"finish_requests did not finish an aborted request: status {req.status.name}"
             assert self.sched.kv_cache_manager.get_block_ids(req.request_id) == [], \
                 "an aborted request kept KV blocks"
             assert not req.swapped_cpu_block_ids, "an aborted request kept CPU blocks"
@@ -115,7 +117,8 @@ def make_machine(mod):
                 if r.status != mod.RequestStatus.RUNNING:
                     assert kv.get_block_ids(r.request_id) == [], \
                         f"{r.request_id} ({r.status.name}) holds GPU blocks"
-            assert len(self.sched.running) <= self.cfg.max_num_seqs
+            assert len(self.sched.running) <= self.cfg.max_num_seqs, (
+                f"{len(self.sched.running)} running requests exceed max_num_seqs {self.cfg.max_num_seqs}")
 
         def teardown(self):
             if not hasattr(self, "sched"):

@@ -62,7 +62,9 @@ def test_ngram_on_periodic_text(chapter, period):
 def test_ngram_latest_matches_brute_force(chapter, tokens, k):
     sd = chapter("spec_decode")
     assert list(sd.propose_ngram(tokens, 1, 3, k, occurrence="latest")) == \
-        brute_force_ngram(tokens, 1, 3, k, occurrence="latest")
+        brute_force_ngram(tokens, 1, 3, k, occurrence="latest"), (
+            f"latest-occurrence n-gram proposal differs from brute force on {tokens} k={k} (longest n tried "
+            "first? the most recent match taken?)")
 
 
 def test_ngram_bad_arguments(chapter):
@@ -142,7 +144,9 @@ def test_draft_model_proposer_probs_and_seeding(chapter):
     sampling = sd.TemperatureTopKTopP.make([0.0, 0.7], [0, 4], [1.0, 0.8])
     ctxs = [[1, 2], [3, 4, 5]]
     toks, probs = prop.propose(ctxs, sampling, {1: torch.Generator().manual_seed(7)})
-    assert toks.shape == (2, 4) and probs.shape == (2, 4, VOCAB)
+    assert toks.shape == (2, 4) and probs.shape == (2, 4, VOCAB), (
+        f"the draft proposer must return k=4 tokens and their draft distributions per request: {tuple(toks.shape)} "
+        f"{tuple(probs.shape)}")
     for i in range(4):
         prefix = [ctxs[b] + toks[b, :i].tolist() for b in range(2)]
         want = sd.logits_to_probs(model(prefix), sampling)
@@ -158,7 +162,9 @@ def test_apply_verify_step_matches_table_4_1(chapter, k, accepted):
     sd = chapter("spec_decode")
     computed, total = sd.apply_verify_step(10, 11, k, accepted)
     rejected = k - accepted
-    assert (computed, total) == (10 + (1 + k) - rejected, 11 + k - rejected + 1)
+    assert (computed, total) == (10 + (1 + k) - rejected, 11 + k - rejected + 1), (
+        f"apply_verify_step(10, 11, {k}, {accepted}) = {(computed, total)}: rejected drafts were not rolled back or "
+        "the new token not counted")
     assert total == computed + 1, "after a verify step exactly one (new) token is pending"
 
 
@@ -175,6 +181,7 @@ def test_apply_verify_step_bad_input(chapter):
 def test_spec_decode_metadata_layout(chapter):
     sd = chapter("spec_decode")
     meta = sd.SpecDecodeMetadata.make([[5, 6], [], [7, 8, 9]])
-    assert meta.num_draft_tokens.tolist() == [2, 0, 3]
+    assert meta.num_draft_tokens.tolist() == [2, 0, 3], (
+        f"num_draft_tokens must count each request's drafts (an empty list counts 0): {meta.num_draft_tokens.tolist()}")
     assert meta.target_logits_indices.tolist() == [0, 1, 4, 5, 6], "draft rows skip each request's bonus row"
     assert meta.bonus_logits_indices.tolist() == [2, 3, 7], "bonus row is the last of each request's k + 1 rows"

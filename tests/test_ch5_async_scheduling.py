@@ -161,7 +161,9 @@ def test_abort_while_a_step_is_in_flight_frees_everything():
     while core.batch_queue:  # drain the wasted steps of the aborted requests
         eng.engine_core.get_output()
     assert_pool_full(llm)
-    assert all(r.num_output_placeholders == 0 for r in core.scheduler.requests.values())
+    assert all(r.num_output_placeholders == 0 for r in core.scheduler.requests.values()), (
+        "a placeholder outlived the drained steps: a step in flight when its request was aborted must still give "
+        "its placeholder back")
 
 
 def test_async_scheduling_refuses_what_it_cannot_do():

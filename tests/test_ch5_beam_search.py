@@ -125,7 +125,9 @@ def test_tiny_target_best_sequence_matches_hf(target_llm, width):
         # HF scores with length_penalty=1 over the output length only.
         assert math.isclose(best.cum_logprob, hf_score * n, rel_tol=1e-4, abs_tol=1e-3), \
             "cumulative log-prob of the best beam differs from HF's beam score"
-        assert len(o.sequences) == width and best.text is not None
+        assert len(o.sequences) == width and best.text is not None, (
+            f"beam search must return beam_width={width} sequences with their text detokenized: got "
+            f"{len(o.sequences)}, best text {best.text!r}")
     assert_pool_full(target_llm)
 
 
@@ -247,7 +249,7 @@ def test_beams_share_prefix_blocks_through_prefix_caching(target_llm):
     assert peak <= 0.5 * unshared_w, f"peak {peak} blocks: beams do not share the prompt (W copies = {unshared_w})"
     assert all(u < t for u, t in log if t > -(-len(prompt) // bs) + 1), \
         "with several beams in a round, distinct blocks must be fewer than the tables' total"
-    assert len(out.sequences) == w
+    assert len(out.sequences) == w, f"beam search returned {len(out.sequences)} sequences, not beam_width={w}"
     assert_pool_full(llm)
 
 
@@ -304,7 +306,8 @@ def test_temperature_one_scores_like_greedy(target_llm):
     prompts = [{"prompt_token_ids": p} for p in _code_prompts(target_llm.get_tokenizer())[:2]]
     a = target_llm.beam_search(prompts, BeamSearchParams(3, 8, ignore_eos=True))
     b = target_llm.beam_search(prompts, BeamSearchParams(3, 8, ignore_eos=True, temperature=1.0))
-    assert [[s.tokens for s in o.sequences] for o in a] == [[s.tokens for s in o.sequences] for o in b]
+    assert [[s.tokens for s in o.sequences] for o in a] == [[s.tokens for s in o.sequences] for o in b], (
+        "temperature=1.0 changed the beams: the search must rank by the unscaled log-probs, not by the sampled tokens")
     assert_pool_full(target_llm)
 
 

@@ -194,7 +194,8 @@ def test_split_has_one_attention_piece_per_layer(runs, models, arch):
     assert [p.layer_name for p in attn] == [a.layer_name for a in model.attention_layers()], \
         f"{arch}: the attention pieces do not call the layers in model order:\n{cf.split_summary()}"
     assert all(p.num_nodes == 1 for p in attn), f"{arch}: an attention piece holds more than the op"
-    assert f"{n} attention" in cf.split_summary()
+    assert f"{n} attention" in cf.split_summary(), (
+        f"{arch}: split_summary must report the {n} attention pieces:\n{cf.split_summary()}")
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -218,7 +219,9 @@ def test_eager_backend_split_matches_eager(models):
     ref_logits, ref_tokens, _ = run_scenario(model, config, model)
     assert tokens == ref_tokens and all((a - b).abs().max() <= ATOL for a, b in zip(logits, ref_logits)), \
         "the split graph run as FX code differs from eager"
-    assert len(cf.stats.pieces) == 2 * config.num_hidden_layers + 1
+    assert len(cf.stats.pieces) == 2 * config.num_hidden_layers + 1, (
+        f"backend='eager' split the graph differently: {len(cf.stats.pieces)} pieces, want "
+        f"{2 * config.num_hidden_layers + 1}")
 
 
 def test_mode_none_is_refused(models):

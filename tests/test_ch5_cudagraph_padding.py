@@ -132,8 +132,11 @@ def test_batches_beyond_the_largest_size_and_prefills_run_without_graphs():
 
 
 def test_default_capture_sizes_follow_vllm_ladder():
-    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert default_capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and default_capture_sizes(512)[-1] == 512
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20], (
+        "capture ladder must be 1, 2, 4, multiples of 8, then max_size itself (else a full batch runs eagerly): "
+        f"{default_capture_sizes(20)}")
+    assert default_capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and default_capture_sizes(512)[-1] == 512, (
+        "capture ladder for 512 must start 1, 2, 4, 8, 16 and end at 512 (small sizes skipped or the top cut off?)")
     cfg = CompilationConfig().resolve("cuda", 48, False)
     assert cfg.cudagraph_mode == CUDAGraphMode.FULL and cfg.cudagraph_capture_sizes[-1] == 48, \
         "on CUDA the default is FULL graphs up to max_num_seqs"

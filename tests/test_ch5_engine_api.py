@@ -33,8 +33,10 @@ def _gen(llm, **kw):
 
 def test_max_tokens_finishes_with_length(llm, free_run):
     out = _gen(llm, max_tokens=7)
-    assert out.token_ids == free_run.token_ids[:7] and out.finish_reason == "length"
-    assert out.stop_reason is None
+    assert out.token_ids == free_run.token_ids[:7] and out.finish_reason == "length", (
+        f"max_tokens=7 must stop after exactly 7 greedy tokens with 'length', got {len(out.token_ids)} tokens, "
+        f"{out.finish_reason}")
+    assert out.stop_reason is None, f"a length finish has no stop_reason, got {out.stop_reason!r}"
 
 
 def test_stop_token_id_cuts_and_is_reported(llm, free_run):
@@ -43,7 +45,9 @@ def test_stop_token_id_cuts_and_is_reported(llm, free_run):
     first = free_run.token_ids.index(t)  # the earliest occurrence is where it must stop
     out = _gen(llm, max_tokens=40, stop_token_ids=[t])
     assert out.token_ids == free_run.token_ids[:first + 1], "must stop right after the stop token id"
-    assert out.finish_reason == "stop" and out.stop_reason == t
+    assert out.finish_reason == "stop" and out.stop_reason == t, (
+        f"a stop token id must finish with 'stop' and report itself as stop_reason {t}, got {out.finish_reason} "
+        f"{out.stop_reason!r}")
 
 
 def test_min_tokens_defers_stop_token(llm, free_run):
@@ -60,7 +64,9 @@ def test_eos_stops_unless_ignore_eos(llm, free_run):
     try:
         first = free_run.token_ids.index(eng.eos_token_id)
         out = _gen(llm, max_tokens=40, ignore_eos=False)
-        assert out.token_ids == free_run.token_ids[:first + 1] and out.finish_reason == "stop"
+        assert out.token_ids == free_run.token_ids[:first + 1] and out.finish_reason == "stop", (
+            f"EOS (ignore_eos=False) must stop right after the first EOS with 'stop', got {len(out.token_ids)} "
+            f"tokens, {out.finish_reason}")
         assert out.stop_reason is None, "EOS is not a stop_reason (vLLM reports None)"
         out = _gen(llm, max_tokens=12, ignore_eos=True)
         assert out.token_ids == free_run.token_ids[:12], "ignore_eos must not stop at EOS"
@@ -88,7 +94,9 @@ def test_stop_string_across_token_boundary(llm, free_run, include):
     text = llm.get_tokenizer().decode(free_run.token_ids)
     want = text[:pos + len(stop)] if include else text[:pos]
     assert out.text == want, f"stop string {stop!r} spanning two tokens cut the text wrongly"
-    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.finish_reason == "stop" and out.stop_reason == stop, (
+        f"a stop string must finish with 'stop' and report itself as stop_reason, got {out.finish_reason} "
+        f"{out.stop_reason!r}")
     assert_pool_full(llm)  # the engine freed the request stopped by its detokenizer
 
 
@@ -114,7 +122,8 @@ def test_parallel_sampling_greedy_children_equal_single(llm, free_run):
     # (n > 1 at temperature 0 is rejected, as in vLLM).
     out = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=15, temperature=1.0, top_k=1, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert [o.index for o in out.outputs] == [0, 1, 2], (
+        f"n=3 must return children indexed 0, 1, 2 in order, got {[o.index for o in out.outputs]}")
     for o in out.outputs:
         assert o.token_ids == free_run.token_ids[:15], \
             f"sample {o.index} differs: a forked child read wrong KV (copy-on-write or block table)"
@@ -197,5 +206,7 @@ def test_abort_frees_blocks_and_spares_others(when):
             assert o.request_id != "victim", "an aborted request produced output"
             if o.finished:
                 final = o
-    assert final.outputs[0].token_ids == run_greedy(make_llm(), [other], 20)[0]
+    assert final.outputs[0].token_ids == run_greedy(make_llm(), [other], 20)[0], (
+        "aborting the victim changed the other request's greedy tokens (its blocks freed while shared, or the batch "
+        "rows shifted?)")
     assert_pool_full(llm)

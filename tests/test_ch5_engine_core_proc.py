@@ -58,7 +58,8 @@ def test_core_process_gives_the_in_process_outputs():
     want = here.generate(PROMPTS, params, use_tqdm=False)
     there = make_llm(block_size=16, multiprocess_mode=True)
     try:
-        assert there.llm_engine.engine_core.proc.pid != os.getpid()
+        assert there.llm_engine.engine_core.proc.pid != os.getpid(), (
+            "multiprocess_mode=True must run the engine core in its own process, not in this one")
         got = there.generate(PROMPTS, params, use_tqdm=False)
         assert _summary(got) == _summary(want), "the core process changed the outputs (lost, reordered or " \
                                                 "extra tokens after a stop string, or logprobs garbled in transit)"
@@ -75,7 +76,8 @@ def test_core_that_raises_fails_generate_and_exits_with_status_1():
     llm = make_llm(block_size=16, multiprocess_mode=True, executor_class=MarkerFaultExecutor)
     proc = llm.llm_engine.engine_core.proc
     try:
-        assert llm.generate(["def f():"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate(["def f():"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids, (
+            "the faulty executor must serve an ordinary request before its planted fault: the test set-up is broken")
         box = []
         t = threading.Thread(target=lambda: box.append(_raises(llm)), daemon=True)
         t.start()
@@ -112,7 +114,8 @@ def test_killed_core_process_raises_in_step_instead_of_hanging():
     pid = eng.engine_core.proc.pid
     try:
         eng.add_request("long", "def main():", SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
-        assert eng.step() is not None
+        assert eng.step() is not None, (
+            "setup: step() on the live core process must return its list of outputs, not None")
         os.kill(pid, signal.SIGKILL)
         box = []
 
@@ -176,7 +179,8 @@ def test_messages_round_trip_typed_and_without_pickle():
     outs = EngineCoreOutputs([EngineCoreOutput("r", [5], "stop", logprobs=[([5, 6], [-0.1, -2.0], 1)])],
                              first_scheduled=["r"], timestamps={"start": 1.0})
     back = MsgpackDecoder(EngineCoreOutputs).decode(enc.encode(outs))
-    assert back.outputs[0].request_id == "r" and back.outputs[0].logprobs == [[[5, 6], [-0.1, -2.0], 1]]
+    assert back.outputs[0].request_id == "r" and back.outputs[0].logprobs == [[[5, 6], [-0.1, -2.0], 1]], (
+        f"an engine core output changed in transit (request id or logprobs lost or garbled): {back.outputs[0]!r}")
     for t in (torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.randn(3, 4).to(torch.bfloat16),
               torch.empty(0, 5), torch.tensor(True)):
         got = MsgpackDecoder().decode(enc.encode({"t": t}))["t"]

@@ -96,7 +96,8 @@ def test_processed_request_is_added_as_it_is(llm):
     outs = []
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
-    assert [o.prompt for o in outs] == ["def f(x):"] and outs[0].prompt_token_ids == req.prompt_token_ids
+    assert [o.prompt for o in outs] == ["def f(x):"] and outs[0].prompt_token_ids == req.prompt_token_ids, (
+        f"a processed request lost its prompt text or tokens on the way through the engine: {[o.prompt for o in outs]}")
     assert_pool_full(llm)
 
 
@@ -114,7 +115,9 @@ def test_bad_request_mid_flight_does_not_disturb_others(llm):
     while eng.has_unfinished_requests():
         for o in eng.step():
             final = o if o.finished else final
-    assert final.request_id == "a"
+    assert final.request_id == "a", (
+        f"the last finished request must be the good one, 'a', got {final.request_id!r}: a rejected 'b' or a "
+        "duplicate 'a' reached the engine")
     assert final.outputs[0].token_ids == run_greedy(make_llm(), [p], 12)[0], \
         "a rejected request disturbed a request in flight"
     assert_pool_full(llm)
@@ -159,7 +162,8 @@ def test_folder_without_tokenizer_uses_the_config_eos(tmp_path):
                       max_position_embeddings=128, eos_token_id=42)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     llm = make_llm(str(tmp_path))
-    assert llm.get_tokenizer() is None
+    assert llm.get_tokenizer() is None, (
+        "a folder without tokenizer files got a placeholder tokenizer (whose EOS id can differ from config.json's)")
     assert llm.llm_engine.eos_token_id == 42, "EOS must come from config.json when there is no tokenizer"
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text", SamplingParams(max_tokens=2), use_tqdm=False)

@@ -81,7 +81,8 @@ def test_text_prompt_and_detokenized_text_match_tokenizer(tok):
     llm = make_llm()
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert out.prompt_token_ids == tok(PROMPTS[0])["input_ids"]
+    assert out.prompt_token_ids == tok(PROMPTS[0])["input_ids"], (
+        "a text prompt was tokenized differently from the model's tokenizer (special tokens added or dropped?)")
     c = out.outputs[0]
     assert c.text == tok.decode(c.token_ids, skip_special_tokens=True), \
         "incremental detokenization differs from decoding all output tokens at once"

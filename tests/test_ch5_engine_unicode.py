@@ -43,7 +43,7 @@ def test_streamed_multibyte_characters_equal_the_full_decode(cycle_llm):
     deltas, toks = _stream(llm, sp)
     assert toks == cycle * 2, "set-up: the cycle model must repeat its text"
     full = tok.decode(toks)
-    assert full == TEXT * 2
+    assert full == TEXT * 2, f"set-up: the tokenizer must decode the two cycles to the text twice, got {full!r}"
     bad = [d for d in deltas if "\ufffd" in d]
     assert not bad, (f"streamed deltas {bad} hold U+FFFD: the detokenizer emitted text for an incomplete "
                      "multi-byte UTF-8 character instead of holding it back until its last byte")
@@ -62,7 +62,8 @@ def test_non_ascii_stop_string_cuts_at_a_character(cycle_llm, stop, want):
     deltas, _ = _stream(llm, sp)
     assert "".join(deltas) == want, (f"stop string {stop!r}: streamed {''.join(deltas)!r}, want {want!r} "
                                      "(text before the first match, no replacement characters)")
-    assert llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].text == want
+    assert llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].text == want, (
+        f"stop string {stop!r}: the non-streamed text must also be cut before the first match, to {want!r}")
     assert_pool_full(llm)
 
 
@@ -92,4 +93,5 @@ def test_fast_decode_path_gives_the_tokenizers_text():
     tok.clean_up_tokenization_spaces = True
     assert fast_decoder(tok) is None, "a tokenizer that cleans up spaces must keep tokenizer.decode"
     det = IncrementalDetokenizer(tok, [], SamplingParams())
-    assert det._fast is None
+    assert det._fast is None, (
+        "IncrementalDetokenizer took the fast path for a tokenizer that cleans up spaces (its text would differ)")

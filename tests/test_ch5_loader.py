@@ -148,9 +148,14 @@ def test_config_styles_and_defaults(tmp_path):
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     old = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
-    assert (new.rope_theta, new.rope_scaling) == (old.rope_theta, old.rope_scaling) == (5e5, {"rope_type": "llama3", **scaling})
+    assert (new.rope_theta, new.rope_scaling) == (old.rope_theta, old.rope_scaling) \
+        == (5e5, {"rope_type": "llama3", **scaling}), (
+        "rope_parameters (new style) and rope_theta + rope_scaling (old style) must give the same llama3 RoPE, got "
+        f"{(new.rope_theta, new.rope_scaling)} and {(old.rope_theta, old.rope_scaling)}")
     assert new.head_dim == 8 and new.num_key_value_heads == 4, "head_dim defaults to hidden/heads, KV heads to heads"
-    assert new.eos_token_ids == (2, 7) and new.dtype == torch.float32
+    assert new.eos_token_ids == (2, 7) and new.dtype == torch.float32, (
+        f"a list eos_token_id must become the tuple of EOS ids and dtype default to float32, got {new.eos_token_ids} "
+        f"{new.dtype}")
     with pytest.raises(ValueError, match="num_attention_heads"):
         ModelConfig.from_dict({**base, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="rope_type"):

@@ -18,12 +18,14 @@ def test_hand_example(eng):
     # Request 0: decode at position 7. Request 1: chunk of 3 after 16 computed (a prefix hit).
     # Request 2: a fresh 2-token prefill.
     comp, sched = np.array([7, 16, 0]), np.array([1, 3, 2])
-    assert eng.compute_query_start_loc(sched).tolist() == [0, 1, 4, 6]
+    assert eng.compute_query_start_loc(sched).tolist() == [0, 1, 4, 6], (
+        "query_start_loc must be the running sum of the scheduled counts after a leading 0, got "
+        f"{eng.compute_query_start_loc(sched).tolist()}")
     assert eng.compute_query_start_loc(sched).dtype == np.int32, "query_start_loc must be int32"
     pos = eng.compute_positions(comp, sched)
     assert pos.tolist() == [7, 16, 17, 18, 0, 1], \
         "positions must start at num_computed_tokens (not 0) and run request by request"
-    assert pos.dtype == np.int64
+    assert pos.dtype == np.int64, f"positions must be int64 (the model's position ids), got {pos.dtype}"
     table = np.array([[4, 9, -1], [2, 5, 8], [11, -1, -1]], dtype=np.int32)
     req_idx = np.array([0, 1, 1, 1, 2, 2])
     slots = eng.compute_slot_mapping(table, req_idx, pos, 8)
@@ -33,7 +35,8 @@ def test_hand_example(eng):
 
 
 def test_empty_batch(eng):
-    assert eng.compute_query_start_loc(np.zeros(0, dtype=np.int64)).tolist() == [0]
+    assert eng.compute_query_start_loc(np.zeros(0, dtype=np.int64)).tolist() == [0], (
+        f"an empty batch's query_start_loc must be [0], got {eng.compute_query_start_loc(np.zeros(0, dtype=np.int64))}")
 
 
 @st.composite
@@ -58,7 +61,9 @@ def test_against_per_token_loop(eng, batch):
             want_idx.append(i)
             want_slots.append(int(table[i][p // bs]) * bs + p % bs)
     loc = eng.compute_query_start_loc(sched)
-    assert loc.tolist() == [0] + np.cumsum(sched).tolist()
+    assert loc.tolist() == [0] + np.cumsum(sched).tolist(), (
+        "query_start_loc differs from [0] + cumsum(num_scheduled) (the leading 0 missing, or off by one?): "
+        f"{loc.tolist()}")
     pos = eng.compute_positions(comp, sched)
     assert pos.tolist() == want_pos, "positions differ from the per-token definition"
     slots = eng.compute_slot_mapping(table, np.array(want_idx), pos, bs)

@@ -47,7 +47,8 @@ def _check(plp, prompt, ref, k, who):
         top_v, top_i = row.topk(k)
         for r, (i, v) in enumerate(zip(top_i.tolist(), top_v.tolist()), start=1):
             assert i in d and d[i].logprob == pytest.approx(v, abs=1e-4), f"{who}: top-{r} at {p}"
-        assert len(d) <= k + 1
+        assert len(d) <= k + 1, (
+            f"{who}: position {p} holds {len(d)} entries, more than the top-{k} plus the prompt token")
 
 
 def test_prompt_logprobs_match_hf_with_small_chunks(hf, prompts):
@@ -100,7 +101,9 @@ def test_streamed_delta_carries_prompt_logprobs_once(prompts):
     with_lp = [x for x in seen if x is not None]
     assert len(seen) >= 5 and len(with_lp) == 1, \
         f"delta outputs must carry the prompt logprobs exactly once, got {len(with_lp)} of {len(seen)}"
-    assert len(with_lp[0]) == len(prompts[0])
+    assert len(with_lp[0]) == len(prompts[0]), (
+        "the streamed prompt logprobs must cover the whole prompt in one delta (chunks sent separately?): "
+        f"{len(with_lp[0])} of {len(prompts[0])} positions")
 
 
 def test_max_logprobs_caps_both_kinds():
@@ -109,4 +112,6 @@ def test_max_logprobs_caps_both_kinds():
         with pytest.raises(ValueError, match=rf"{name} must be in \[0, 5\] \(max_logprobs\)"):
             llm.generate("x = 1", SamplingParams(max_tokens=2, **{name: 6}), use_tqdm=False)
     out = llm.generate("x = 1", SamplingParams(max_tokens=2, logprobs=5, prompt_logprobs=5), use_tqdm=False)[0]
-    assert len(out.outputs[0].logprobs) == 2
+    assert len(out.outputs[0].logprobs) == 2, (
+        "logprobs=5 at max_logprobs=5 must be allowed and give one entry per output token, got "
+        f"{len(out.outputs[0].logprobs)}")

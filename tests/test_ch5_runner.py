@@ -89,7 +89,9 @@ def check_inputs(runner, sched, so, out, block_size):
         "query start locations / query lengths"
     seq = [sched.requests[r].num_computed_tokens for r in req_ids]
     assert md.seq_lens.tolist() == seq and md.seq_lens_cpu == seq, "seq_lens must be c + Δ (the keys each query sees)"
-    assert md.max_seq_len == max(seq) and md.max_query_len == max(md.query_lens_cpu)
+    assert md.max_seq_len == max(seq) and md.max_query_len == max(md.query_lens_cpu), (
+        f"max_seq_len / max_query_len must be the batch maxima of seq_lens and query lens, got {md.max_seq_len} "
+        f"{md.max_query_len}")
     md.validate(sched.num_gpu_blocks, block_size)
     for i, rid in enumerate(req_ids):
         n = -(-seq[i] // block_size)

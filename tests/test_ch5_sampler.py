@@ -204,10 +204,13 @@ def test_logprobs_of_processed_distribution():
               SamplingParams(temperature=0.0, logprobs=1),
               SamplingParams(temperature=2.0, min_p=0.5)]
     md = build(params, 6, generators=[torch.Generator().manual_seed(3), None, None])
-    assert md.max_num_logprobs == 2
+    assert md.max_num_logprobs == 2, (
+        f"max_num_logprobs must be the largest logprobs asked in the batch (2), got {md.max_num_logprobs}")
     out = Sampler("processed_logprobs")(torch.tensor([raw] * 3), md)
     lp = out.logprobs_tensors
-    assert lp.logprobs.shape == (3, 3) and lp.logprob_token_ids.shape == (3, 3)
+    assert lp.logprobs.shape == (3, 3) and lp.logprob_token_ids.shape == (3, 3), (
+        "logprobs must hold the sampled token plus the batch's top max_num_logprobs=2 per row: "
+        f"{tuple(lp.logprobs.shape)} {tuple(lp.logprob_token_ids.shape)}")
     for row, (temp, k, m) in enumerate([(0.5, 3, 0.0), (1.0, 0, 0.0), (2.0, 0, 0.5)]):
         q = filtered_distribution(raw, temperature=temp, top_k=k, min_p=m)
         hand = [math.log(x) if x > 0 else NEG for x in q]
@@ -220,7 +223,8 @@ def test_logprobs_of_processed_distribution():
             f"row {row}: logprobs must be of the processed distribution (temperature, filters), got "
             f"{lp.logprobs[row].tolist()} want {want.tolist()}")
         assert int(lp.selected_token_ranks[row]) == 1 + sum(h > hand[tok] for h in hand), "rank of the sampled token"
-    assert out.logprobs_tensors is not None and build(params[2:], 6).max_num_logprobs is None
+    assert out.logprobs_tensors is not None and build(params[2:], 6).max_num_logprobs is None, (
+        "logprobs not computed though asked, or a batch that asks none still gets a max_num_logprobs")
 
 
 def test_logprobs_default_to_the_raw_model_distribution():
@@ -248,7 +252,8 @@ def test_logprobs_default_to_the_raw_model_distribution():
 def test_rank_counts_ties():
     md = build([SamplingParams(temperature=0.0, logprobs=0)], 3)
     out = Sampler()(torch.tensor([[1.0, 4.0, 4.0]]), md)
-    assert out.sampled_token_ids.tolist() == [1]
+    assert out.sampled_token_ids.tolist() == [1], (
+        f"greedy must pick the first of tied maxima (argmax's tie rule), got {out.sampled_token_ids.tolist()}")
     assert out.logprobs_tensors.selected_token_ranks.tolist() == [2], "rank = tokens at least as likely (vLLM)"
     assert out.logprobs_tensors.logprobs.shape == (1, 1), "logprobs=0 returns only the sampled token"
 

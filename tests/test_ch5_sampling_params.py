@@ -72,7 +72,8 @@ def test_boundary_values_accepted(field, value):
 
 def test_normalisation():
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string becomes a one-element list"
-    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"], (
+        f"a tuple of stop strings must be stored as a list, got {SamplingParams(stop=('a', 'b')).stop!r}")
     assert SamplingParams(top_k=-1).top_k == 0, "-1 and 0 both disable top-k; one stored form"
     # Greedy ignores the filters (vLLM resets them), including a temperature just under the epsilon.
     for t in (0.0, 5e-6):
@@ -81,13 +82,14 @@ def test_normalisation():
         assert g.sampling_type is SamplingType.GREEDY, "temperature < 1e-5 is greedy even with a seed"
     r = SamplingParams(temperature=2e-5, top_k=5)
     assert r.top_k == 5 and r.sampling_type is SamplingType.RANDOM, "temperature >= 1e-5 is random"
-    assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED, (
+        "seed=0 must make a sampled request RANDOM_SEED (a seed of 0 taken for no seed?)")
 
 
 def test_clone_is_deep():
     p = SamplingParams(stop=["x"], seed=4)
     c = p.clone()
-    assert c == p and c is not p
+    assert c == p and c is not p, "clone must return an equal but distinct SamplingParams"
     c.stop.append("y")
     assert p.stop == ["x"], "clone must not share the stop list with the original"
 
@@ -95,7 +97,9 @@ def test_clone_is_deep():
 def test_metadata_builder_checks_and_cheap_greedy_path():
     greedy = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
     md = SamplingMetadata.from_params(greedy, [[1], [2]], [[], []], [None, None], [None, None], 8)
-    assert md.all_greedy and not md.all_random and md.no_penalties
+    assert md.all_greedy and not md.all_random and md.no_penalties, (
+        "an all-greedy batch without penalties must be flagged all_greedy and no_penalties: all_greedy "
+        f"{md.all_greedy} all_random {md.all_random} no_penalties {md.no_penalties}")
     assert md.top_k is None and md.top_p is None and md.min_p is None and md.prompt_token_ids is None, \
         "an all-greedy batch without penalties must not build filter or prompt tensors"
     assert torch.equal(md.temperature, torch.zeros(2)), "greedy rows hold temperature 0 exactly"

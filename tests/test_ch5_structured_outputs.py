@@ -83,7 +83,9 @@ def test_speculative_decoding_serves_constrained_requests_without_drafts():
     want = make_llm(block_size=8).generate(PROMPTS, sp, use_tqdm=False)
     spec = make_llm(block_size=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     got = spec.generate(PROMPTS, sp, use_tqdm=False)
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want], (
+        "speculative decoding changed the constrained greedy text: drafts slipped past the grammar or the bitmask "
+        "rows were shifted by the draft rows")
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     assert spec.llm_engine.engine_core.call_utility("spec_decoding_stats")["num_drafts"] == 0, \
@@ -103,7 +105,9 @@ def test_bitmask_matches_xgrammar_kernel(vocab):
     xgr.apply_token_bitmask_inplace(want, bitmask)
     got = logits.masked_fill(~unpack_token_bitmask(bitmask, vocab), float("-inf"))  # the path without xgrammar
     assert torch.equal(got, want), "bit j of word w must allow token 32 w + j, as xgrammar lays it out"
-    assert torch.equal(got[0], logits[0])
+    assert torch.equal(got[0], logits[0]), (
+        "a bitmask row of all ones (-1, sign bit included) must leave every logit as it was: bit 31 (the sign) "
+        "taken as a disallowed token?")
     assert torch.equal(apply_token_bitmask(logits, bitmask), want) and not torch.equal(want, logits), \
         "the sampler's bitmask step must not modify the caller's logits"
 

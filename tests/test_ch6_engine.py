@@ -59,8 +59,11 @@ def test_engine_b_computes_only_the_uncached_tail(pool_name, reference, chunk, t
             f"request {rid} computed {per_req[rid] - 5} prompt tokens; only the tail "
             f"{len(p) - shared} beyond A's {shared} cached tokens should be")
     st = b.llm_engine.engine_core.engine_core.kv_connector.stats
-    assert st.external_hit_tokens >= shared and st.blocks_loaded == shared // BS
-    assert st.corrupt_blocks == 0 and st.store_errors == 0
+    assert st.external_hit_tokens >= shared and st.blocks_loaded == shared // BS, (
+        f"engine B must find A's {shared} shared tokens and load their {shared // BS} blocks once (later requests hit "
+        f"them locally): hit tokens {st.external_hit_tokens}, blocks loaded {st.blocks_loaded}")
+    assert st.corrupt_blocks == 0 and st.store_errors == 0, (
+        f"a clean pool reported corrupt blocks or store errors: {st.corrupt_blocks} corrupt, {st.store_errors} errors")
     assert_pool_full(b)
 
 
@@ -90,7 +93,8 @@ def test_cache_salt_isolates_tenants(pool_name, tc):
     st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     got = _core_run(b, [_req("b1", p, "tenant-2"), _req("b2", p, None)])
     assert st.hit_blocks == 0, "a block saved under one cache salt was found under another"
-    assert got["b1"] == got["b2"] == ref["a"]
+    assert got["b1"] == got["b2"] == ref["a"], (
+        "a request under another cache salt (or none) changed the greedy tokens: it read the other tenant's KV")
     got = _core_run(b, [_req("b3", p, "tenant-1")])
     assert st.hit_blocks == len(p) // BS and got["b3"] == ref["a"], "same salt must hit"
 
@@ -133,7 +137,8 @@ def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path, tc):
     shutil.copytree(target_path(), same)
     assert model_content_id(str(same)) == model_content_id(target_path()), \
         "the fingerprint must follow content, not the path (machines mount models elsewhere)"
-    assert model_content_id(other_path) != model_content_id(target_path())
+    assert model_content_id(other_path) != model_content_id(target_path()), (
+        "the model fingerprint ignores the weights: a model with a changed tensor got the same content id")
     _, prompts = prompts_with_prefix(3, 2, 96, 40)
     a = make_llm(kv_transfer_config=tc(pool_name))
     run_greedy(a, prompts, 2)
@@ -144,7 +149,8 @@ def test_other_model_never_loads_this_models_blocks(pool_name, tmp_path, tc):
     assert other.llm_engine.engine_core.engine_core.kv_connector.stats.hit_blocks == 0, (
         "an engine with other weights loaded this model's blocks: the store key must include the model "
         "fingerprint")
-    assert out == run_greedy(make_llm(other_path), prompts, 2)
+    assert out == run_greedy(make_llm(other_path), prompts, 2), (
+        "an engine with other weights gave other tokens with the pool than without it: it read this model's KV")
 
 
 def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference, tc):
@@ -161,7 +167,9 @@ def test_corrupted_value_is_a_miss_and_output_stays_correct(pool_name, reference
     b, log = recording_llm(kv_transfer_config=tc(pool_name))
     assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3), "a corrupted block was loaded"
     st = b.llm_engine.engine_core.engine_core.kv_connector.stats
-    assert st.corrupt_blocks == 1 and st.hit_blocks == 3
+    assert st.corrupt_blocks == 1 and st.hit_blocks == 3, (
+        f"the corrupted fourth block must be a miss and only the three before it hits: {st.corrupt_blocks} corrupt, "
+        f"{st.hit_blocks} hits")
     assert computed_per_request(log)["0"] == len(p) - 3 * BS + 2, \
         "blocks from the corrupted one onwards must be recomputed"
 
@@ -173,11 +181,14 @@ def test_tiny_pool_evicts_and_preemption_stays_correct(pool_name, reference, tc)
     kw = dict(num_gpu_blocks_override=24, max_num_seqs=6)
     a = make_llm(kv_transfer_config=tc(pool_name, capacity_bytes=5 * 82_000), **kw)
     want = run_greedy(reference, prompts, 16)
-    assert run_greedy(a, prompts, 16) == want
+    assert run_greedy(a, prompts, 16) == want, "saving to a tiny pool under preemption changed engine A's tokens"
     flush(a)
-    assert len(get_local_pool(pool_name, 1)) <= 5
+    assert len(get_local_pool(pool_name, 1)) <= 5, (
+        f"a pool sized for 5 blocks holds {len(get_local_pool(pool_name, 1))}: eviction did not keep it under "
+        "capacity_bytes")
     b = make_llm(kv_transfer_config=tc(pool_name), **kw)
-    assert run_greedy(b, prompts, 16) == want
+    assert run_greedy(b, prompts, 16) == want, (
+        "loading from a pool that evicted blocks changed engine B's tokens (an evicted or partial prefix was loaded?)")
     assert a.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0, "the test should preempt"
     assert_pool_full(a)
     assert_pool_full(b)

@@ -22,8 +22,9 @@ def test_store_contract(master):
     from mini_vllm.global_cache.mooncake_store import MooncakeStore
     st = MooncakeStore(master.master_address, master.metadata_server, 32 << 20)
     st.batch_put([("a", b"x" * 100), ("b", b"y" * 7)])
-    assert st.batch_get(["a", "b", "c"]) == [b"x" * 100, b"y" * 7, None]
-    assert st.batch_exists(["a", "c"]) == [True, False]
+    assert st.batch_get(["a", "b", "c"]) == [b"x" * 100, b"y" * 7, None], (
+        "batch_get must return each stored value and None for a missing key, in key order")
+    assert st.batch_exists(["a", "c"]) == [True, False], "batch_exists must say which keys are stored, in key order"
     st.close()
 
 
@@ -45,5 +46,9 @@ def test_two_engines_share_mooncake(master):
     assert_same_as_reference(greedy_logprobs(b, pb, 3), greedy_logprobs(make_llm(), pb, 3), "engine B")
     per_req = computed_per_request(log)
     for rid, p in zip(sorted(per_req, key=int), pb):
-        assert per_req[rid] == len(p) - 150 // BS * BS + 2
-    assert b.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_loaded == 150 // BS
+        assert per_req[rid] == len(p) - 150 // BS * BS + 2, (
+            f"request {rid} computed {per_req[rid] - 2} prompt tokens; only the tail beyond A's {150 // BS * BS} "
+            "cached tokens should be")
+    assert b.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_loaded == 150 // BS, (
+        f"engine B must load A's {150 // BS} shared blocks once from Mooncake, loaded "
+        f"{b.llm_engine.engine_core.engine_core.kv_connector.stats.blocks_loaded}")

@@ -62,7 +62,9 @@ def test_decode_engine_continues_without_recomputing_the_prompt(pd_pair):
 def test_max_tokens_one_never_reaches_the_decode_engine(pd_pair):
     prefill, decode = pd_pair
     res = run_requests([("solo", [9, 8, 7, 6, 5], 1, 0.0)], prefill=prefill, decode=decode)
-    assert res["solo"]["decode_info"] is None and len(res["solo"]["tokens"]) == 1
+    assert res["solo"]["decode_info"] is None and len(res["solo"]["tokens"]) == 1, (
+        "a request with max_tokens=1 is done after the prefill: it must not be handed to the decode engine, got "
+        f"{res['solo']}")
 
 
 def test_hand_off_through_a_valkey_server():
@@ -77,7 +79,9 @@ def test_hand_off_through_a_valkey_server():
         want = run_greedy(make_llm(), prompts, 5)
         for i, p in enumerate(prompts):
             (t1,) = run_greedy(prefill, [p], 1)
-            assert prefill.llm_engine.engine_core.engine_core.kv_connector_worker.flush(10)
+            assert prefill.llm_engine.engine_core.engine_core.kv_connector_worker.flush(10), (
+                "the prefill engine's saves did not reach the Valkey server within 10 s (a save lost or stuck in the "
+                "queue)")
             log.clear()
             rest = run_greedy(decode, [p + t1], 4)[0]
             assert t1 + rest == want[i], f"prompt {i}: P/D tokens differ from a single engine's"

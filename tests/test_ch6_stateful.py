@@ -98,7 +98,9 @@ class Engine:
             sampled[rid] = [int(want[end - 1]) % 50 + 1] if end >= req.num_tokens else []
         self.wc.wait_for_save()
         self.wc.clear_connector_metadata()
-        assert self.wc.flush(10)
+        assert self.wc.flush(10), (
+            "the step's saves were not all attempted within 10 s: a save stuck in the queue (a store error stopped "
+            "the saver?)")
         for o in self.sched.update_from_output(so, ModelRunnerOutput.from_dict(sampled)):
             if o.finished:
                 self.live.pop(o.request_id, None)
@@ -168,7 +170,9 @@ class GlobalCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def pool_within_budget(self):
-        assert self.store.used_bytes <= self.store.capacity_bytes
+        assert self.store.used_bytes <= self.store.capacity_bytes, (
+            f"the pool holds {self.store.used_bytes} bytes over its capacity {self.store.capacity_bytes}: a put that "
+            "did not fit was kept, or eviction freed too little")
 
     def teardown(self):
         if not hasattr(self, "engines"):

@@ -58,7 +58,8 @@ def test_block_round_trip_is_bit_exact(chapter, dtype):
     lay = dataclasses.replace(LAYOUT, dtype=dtype)
     x = block_for(1, lay)
     out = gc.unpack_block("k1", gc.pack_block("k1", x), lay)
-    assert out.dtype == x.dtype and out.shape == x.shape
+    assert out.dtype == x.dtype and out.shape == x.shape, (
+        f"round trip changed the dtype or shape: {out.dtype} {tuple(out.shape)}, want {x.dtype} {tuple(x.shape)}")
     assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), "round trip changed bytes"
 
 
@@ -125,8 +126,10 @@ def test_block_keys_chain_and_salt(chapter):
                                  "must chain through the blocks before it")
     salted = gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-a")
     assert not set(salted) & set(keys), "the cache salt must change every block's key (it salts the chain)"
-    assert gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-a") == salted
-    assert not set(gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-b")) & set(salted)
+    assert gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-a") == salted, (
+        "the same tokens and salt must give the same keys (the salt hashed non-deterministically?)")
+    assert not set(gc.block_keys("p", LAYOUT, KEY_TOKENS, "tenant-b")) & set(salted), (
+        "two cache salts share a block key: one tenant could read the other's KV")
 
 
 # -------------------------------------------------------------- LRU pool
@@ -149,7 +152,8 @@ def test_lru_pool_matches_a_model(ops, cap):
             if key in model:
                 model.move_to_end(key)
         assert pool.used_bytes == sum(map(len, model.values())) <= cap, "byte budget broken"
-    assert pool.batch_exists([f"k{i}" for i in range(8)]) == [f"k{i}" in model for i in range(8)]
+    assert pool.batch_exists([f"k{i}" for i in range(8)]) == [f"k{i}" in model for i in range(8)], (
+        "batch_exists must say, key by key, whether the LRU model still holds it")
 
 
 # ------------------------------------------------------- connector matching
@@ -195,7 +199,9 @@ def test_matched_tokens_is_the_stored_run_after_the_local_hit(chapter, stored, c
     conn = make_conn(gc)
     fill(conn, TOKENS, stored)
     n, async_load = conn.get_num_new_matched_tokens(Req("a", TOKENS), computed)
-    assert (n, async_load) == (expect, False)
+    assert (n, async_load) == (expect, False), (
+        f"{stored} stored blocks beyond {computed} local tokens: matched {n} tokens (async {async_load}), want "
+        f"{expect} (the partial block or the local hit counted?)")
 
 
 def test_last_token_is_never_external(chapter):
@@ -213,7 +219,7 @@ def test_a_corrupt_block_ends_the_match(chapter):
     fill(conn, TOKENS, 5, corrupt={2})
     assert conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0] == 8, \
         "a corrupt block is a miss, and blocks after it chain through it"
-    assert conn.stats.corrupt_blocks == 1
+    assert conn.stats.corrupt_blocks == 1, f"the corrupt block must be counted once, got {conn.stats.corrupt_blocks}"
 
 
 @pytest.mark.parametrize("missing", [{0}, {2}, {4}, {1, 3}])
@@ -271,8 +277,8 @@ def test_store_down_is_a_counted_miss(chapter):
         n = conn.get_num_new_matched_tokens(Req("a", TOKENS), 0)[0]
     except StoreUnavailable:
         pytest.fail("a store that is down made the lookup raise: it must be a counted miss (a recompute)")
-    assert n == 0
-    assert conn.stats.store_errors == 1
+    assert n == 0, f"a store that is down must match nothing, matched {n} tokens"
+    assert conn.stats.store_errors == 1, f"the failed lookup must count one store error, got {conn.stats.store_errors}"
 
 
 def test_loads_pair_fetched_blocks_with_allocated_ids(chapter):
@@ -281,7 +287,8 @@ def test_loads_pair_fetched_blocks_with_allocated_ids(chapter):
     fill(conn, TOKENS, 5)
     req = Req("a", TOKENS)
     req.num_computed_tokens = 0
-    assert conn.get_num_new_matched_tokens(req, 4)[0] == 16
+    assert conn.get_num_new_matched_tokens(req, 4)[0] == 16, (
+        "set-up: beyond a local hit of one block, the 4 stored blocks after it must match (16 tokens)")
     conn.update_state_after_alloc(req, [7, 8, 9, 10, 11, 12], 16)
     from mini_vllm.scheduler.output import NewRequestData, SchedulerOutput
     so = SchedulerOutput(num_scheduled_tokens={"a": 1})

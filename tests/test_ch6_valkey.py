@@ -70,7 +70,9 @@ def test_two_engine_processes_share_one_server(fresh, reference, impl):
         assert per_req[rid] == len(p) - shared + 3, \
             f"request {rid}: B should compute only the {len(p) - shared}-token tail"
     st = b.llm_engine.engine_core.engine_core.kv_connector.stats
-    assert st.blocks_loaded == shared // BS and st.store_errors == 0
+    assert st.blocks_loaded == shared // BS and st.store_errors == 0, (
+        f"engine B must load A's {shared // BS} shared blocks from the server once without store errors: loaded "
+        f"{st.blocks_loaded}, errors {st.store_errors}")
 
 
 def test_flipped_bytes_in_the_server_are_a_miss(fresh, reference):
@@ -83,7 +85,8 @@ def test_flipped_bytes_in_the_server_are_a_miss(fresh, reference):
     byte = r.getrange(key, 5000, 5000)
     r.setrange(key, 5000, bytes([byte[0] ^ 0x01]))  # one bit, in the server itself
     b = make_llm(kv_transfer_config=tc(fresh.url))
-    assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3)
+    assert run_greedy(b, [p], 3) == run_greedy(reference, [p], 3), (
+        "a bit flipped in the server changed engine B's tokens: a corrupted block was loaded")
     st = b.llm_engine.engine_core.engine_core.kv_connector.stats
     assert (st.corrupt_blocks, st.hit_blocks, st.blocks_loaded) == (1, 1, 1), \
         "only the block before the corrupted one may load"
@@ -123,7 +126,8 @@ def test_server_killed_mid_run_then_restarted(reference, caplog):
         run_greedy(again, [q], 2)
         flush(again)
         c = make_llm(kv_transfer_config=cfg)
-        assert run_greedy(c, [q], 2) == run_greedy(reference, [q], 2)
+        assert run_greedy(c, [q], 2) == run_greedy(reference, [q], 2), (
+            "the store coming back changed the output (a stale or partial block loaded after the restart?)")
         assert c.llm_engine.engine_core.engine_core.kv_connector.stats.hit_blocks == 80 // BS, \
             "hits must resume once the server is back"
     finally:
@@ -158,8 +162,11 @@ def test_slow_server_falls_back_within_the_timeout(reference):
         srv.kill()
         srv.stop()
     assert not waited, "the engine waited for the stalled server instead of timing out"
-    assert out == run_greedy(reference, [p], 2)
+    assert out == run_greedy(reference, [p], 2), (
+        "falling back from the stalled server changed the tokens (a timed-out load half applied?)")
     conn = b.llm_engine.engine_core.engine_core.kv_connector
-    assert conn.stats.store_errors >= 1 and conn.stats.blocks_loaded == 0
+    assert conn.stats.store_errors >= 1 and conn.stats.blocks_loaded == 0, (
+        f"the stalled server must give a counted error and no loaded block: errors {conn.stats.store_errors}, loaded "
+        f"{conn.stats.blocks_loaded}")
     assert conn.store.num_failures == 1, \
         f"{conn.store.num_failures} calls timed out: after one, the store must be skipped for retry_interval_s"
