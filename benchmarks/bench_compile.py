@@ -34,6 +34,7 @@ import time
 import torch
 import torch._inductor.config
 
+from machine import cpu_info
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.compilation.backends import compile_forward
 from mini_vllm.compilation.config import CompilationConfig, CompilationMode
@@ -47,14 +48,6 @@ CONTEXT, BLOCK = 128, 16          # decode sequences already hold CONTEXT tokens
 STEPS = [("decode 1", 1, 1), ("decode 8", 8, 1), ("decode 32", 32, 1), ("prefill 256", 1, 256)]
 MODES = [("eager", None), ("VLLM_COMPILE", CompilationMode.VLLM_COMPILE),
          ("STOCK", CompilationMode.STOCK_TORCH_COMPILE)]
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def qwen3_06b_checkpoint(layers: int, folder: str) -> str:
@@ -146,7 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         rows += bench_model(f"Qwen3-0.6B-shape {args.qwen_layers}L bf16",
                             qwen3_06b_checkpoint(args.qwen_layers, d), torch.bfloat16)
-    print(f"\nCPU: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    print(f"\nCPU: {cpu_info()['model_name']}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"forward ms (median of {REPEATS}), eager/mode speed-up in brackets")
     head = f"{'model':<28} {'mode':<13} {'compile cold/warm s':>20} " + " ".join(f"{s:>18}" for s, _, _ in STEPS)
     print(head)

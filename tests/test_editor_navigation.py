@@ -71,24 +71,24 @@ def _find(path: Path, needle: str) -> tuple[str, int, int]:
     raise AssertionError(f"{needle!r} is no longer in {path}: update this test's example")
 
 
-def test_the_engine_jumps_into_a_chapter(project):
-    """Engine to chapter: the `Scheduler` the engine core builds is Chapter 3's."""
-    f = ROOT / "05_mini_vllm/engine/core.py"
-    code, line, col = _find(f, "self.scheduler = Scheduler(")
-    col += len("self.scheduler = ")
-    path, text = _land(jedi.Script(code, path=f, project=project).goto(line, col + 1, follow_imports=True))
-    assert path == ROOT / "03_scheduler/scheduler.py" and text.startswith("class Scheduler"), \
-        f"Scheduler in engine/core.py jumped to {path}: {text!r}; {HOW}"
+# (file, the text of the use, the part of it before the name, the file that defines it, its first words)
+USES = [
+    # Engine to chapter: the `Scheduler` the engine core builds is Chapter 3's.
+    ("05_mini_vllm/engine/core.py", "self.scheduler = Scheduler(", "self.scheduler = ", "03_scheduler/scheduler.py",
+     "class Scheduler"),
+    # Chapter to chapter: Chapter 3's `cdiv` is Chapter 2's.
+    ("03_scheduler/scheduler_base.py", "import cdiv", "import ", "02_kvcache/kv_cache_utils.py", "def cdiv"),
+]
 
 
-def test_a_chapter_jumps_into_an_earlier_chapter(project):
-    """Chapter to chapter: Chapter 3's `cdiv` is Chapter 2's."""
-    f = ROOT / "03_scheduler/scheduler_base.py"
-    code, line, col = _find(f, "import cdiv")
-    col += len("import ")
+@pytest.mark.parametrize("where,use,before,defined_in,starts", USES, ids=["engine-to-chapter", "chapter-to-chapter"])
+def test_a_use_jumps_into_another_package(project, where, use, before, defined_in, starts):
+    f = ROOT / where
+    code, line, col = _find(f, use)
+    col += len(before)
     path, text = _land(jedi.Script(code, path=f, project=project).goto(line, col + 1, follow_imports=True))
-    assert path == ROOT / "02_kvcache/kv_cache_utils.py" and text.startswith("def cdiv"), \
-        f"cdiv in 03_scheduler/scheduler_base.py jumped to {path}: {text!r}; {HOW}"
+    assert path == ROOT / defined_in and text.startswith(starts), \
+        f"{use!r} in {where} jumped to {path}: {text!r}, want {defined_in} ({starts}); {HOW}"
 
 
 def test_completion_on_an_attribute_of_a_chapter_class(project):
