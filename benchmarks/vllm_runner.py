@@ -9,7 +9,8 @@ import of vLLM for all; the result is then {"jobs": [result, ...]}). A job:
     {"model": "/path/to/hf/checkpoint",
      "dtype": "float32",
      "cpus": "0" | "0-1",                  # cores vLLM's OpenMP threads are bound to
-     "engine_args": {...},                 # keyword arguments of vllm.LLM
+     "engine_args": {...},                 # keyword arguments of vllm.LLM, e.g. "speculative_config":
+                                           #   {"method": "eagle", "model": PATH, "num_speculative_tokens": k}
      "phases": [                           # run in order on one LLM instance
         {"name": "warmup" | ...,
          "mode": "generate" | "steps",
@@ -31,6 +32,10 @@ The result (JSON): {"vllm_version", "load_s", "phases": [{"name", "wall_s", "res
      "prompt_logprobs": [null | [[token_id, logprob, rank], ...] per prompt position] | null,
      "num_cached_tokens": int (prompt tokens served from the prefix cache),
      "added_s": float, "token_times_s": [float per token of outputs[0]]}]}]}
+With a speculative_config, each phase also has "spec_decode": vLLM's own spec-decode
+counters (`LLM.get_metrics()`) grown over the phase, with their rates (`vllm_side.spec_delta`):
+    {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+     "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_pos"}
 Times are seconds from the phase's start. Top-k lists are sorted by rank (vLLM also adds
 the sampled token when it is outside the top k; it is kept, with its real rank).
 """
@@ -42,7 +47,7 @@ import sys
 import time
 
 # This folder is sys.path[0] when the script runs; vllm_side imports nothing but the stdlib.
-from vllm_side import RESULT_MARK, request_result
+from vllm_side import RESULT_MARK, request_result, spec_counters, spec_delta
 
 
 def run_generate(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
@@ -84,8 +89,14 @@ def run_steps(llm, SamplingParams, reqs) -> tuple[float, list[dict]]:
 
 def run_phase(llm, vllm, ph: dict) -> dict:
     runner = run_steps if ph.get("mode", "generate") == "steps" else run_generate
+    # get_metrics needs stats on: build_llm turns them on with a speculative_config unless told not to.
+    speculative = llm.llm_engine.vllm_config.speculative_config is not None and llm.llm_engine.log_stats
+    before = spec_counters(llm.get_metrics()) if speculative else None
     wall, results = runner(llm, vllm.SamplingParams, ph["requests"])
-    return {"name": ph.get("name", ""), "wall_s": wall, "results": results}
+    out = {"name": ph.get("name", ""), "wall_s": wall, "results": results}
+    if speculative:  # the engine records a step's counters before that step's outputs return
+        out["spec_decode"] = spec_delta(before, spec_counters(llm.get_metrics()))
+    return out
 
 
 def import_vllm(cpus: str):
@@ -98,7 +109,11 @@ def import_vllm(cpus: str):
 
 
 def build_llm(job: dict, vllm):
-    return vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **job.get("engine_args", {}))
+    args = dict(job.get("engine_args", {}))
+    if args.get("speculative_config") is not None:
+        # vllm.LLM turns stats off by default, and with them the counters get_metrics reads.
+        args.setdefault("disable_log_stats", False)
+    return vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), **args)
 
 
 def run_job(job: dict, vllm) -> dict:

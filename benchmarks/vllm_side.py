@@ -206,6 +206,59 @@ def run_mini(model: str, phases: list[dict], *, dtype: str = "float32", **engine
     return {"load_s": load_s, "phases": out_phases}
 
 
+# vLLM's speculative-decoding counters (`vllm/v1/spec_decode/metrics.py`, `SpecDecodingProm`),
+# as `LLM.get_metrics()` names them, and the keys this module reports them under.
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
+                 "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(metrics) -> dict:
+    """vLLM's speculative-decoding counters from an `LLM.get_metrics()` snapshot, summed over
+    label sets (one per engine, and one per model name if the process built several): the
+    number of drafts (verify steps of one request that carried drafts), draft tokens,
+    accepted draft tokens, and accepted tokens per draft position. Counters are cumulative
+    since the process started; `spec_delta` of two snapshots gives one phase's. Reads the
+    snapshot's objects by their fields (`name`, and `value` or `values`), not their types,
+    so this module needs no vLLM."""
+    out = {key: 0 for key in SPEC_COUNTERS.values()} | {"num_accepted_tokens_per_pos": []}
+    for m in metrics:
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == SPEC_PER_POS:
+            out["num_accepted_tokens_per_pos"] = _add(out["num_accepted_tokens_per_pos"], m.values, 1)
+    return out
+
+
+def _add(a: list[int], b: list[int], sign: int) -> list[int]:
+    n = max(len(a), len(b))
+    a, b = list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b))
+    return [x + sign * y for x, y in zip(a, b)]
+
+
+def spec_delta(before: dict, after: dict) -> dict:
+    """What the counters of `spec_counters` grew by between two snapshots, with
+    `spec_summary`'s rates of that growth."""
+    d = {key: after[key] - before[key] for key in SPEC_COUNTERS.values()}
+    d["num_accepted_tokens_per_pos"] = _add(after["num_accepted_tokens_per_pos"],
+                                            before["num_accepted_tokens_per_pos"], -1)
+    return d | spec_summary(d)
+
+
+def spec_summary(c: dict) -> dict:
+    """The rates vLLM's spec-decode log line prints, from counters: mean acceptance length
+    (tokens a verify step emits per draft: the accepted drafts plus the target's own token,
+    1 + accepted / drafts), draft acceptance rate (accepted / draft tokens), and per position
+    j the share of drafts whose first j + 1 tokens were all accepted (accepted at j / drafts).
+    Rates are None before any draft."""
+    drafts, tokens = c["num_drafts"], c["num_draft_tokens"]
+    return {"mean_acceptance_length": 1 + c["num_accepted_tokens"] / drafts if drafts else None,
+            "draft_acceptance_rate": c["num_accepted_tokens"] / tokens if tokens else None,
+            "acceptance_rate_per_pos": [a / drafts if drafts else None
+                                        for a in c["num_accepted_tokens_per_pos"]]}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first position where two token lists differ (None if equal)."""
     for i, (x, y) in enumerate(zip(a, b)):
