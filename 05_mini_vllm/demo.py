@@ -34,6 +34,8 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
         spec = {"method": "ngram", "num_speculative_tokens": 4}
     elif speculative == "draft":
         spec = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3}
+    elif speculative == "eagle":
+        spec = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num_speculative_tokens": 3}
     def make_engine():
         return LLMEngine.from_engine_args(str(model_path("tiny-py-target")), dtype="float32",
                                           speculative_config=spec,
@@ -85,10 +87,14 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
             ("preemptions", f"{s['num_preemptions']}")]
     if spec is not None:
         per_pos = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
+        mal = s["spec_mean_acceptance_length"]
         rows += [("speculative decoding", f"{speculative}, k = {spec['num_speculative_tokens']}"),
                  ("draft acceptance rate", f"{100 * s['spec_acceptance_rate']:.1f}% "
-                                           f"of {s['spec_num_drafts']} drafts"),
-                 ("acceptance per position", per_pos)]
+                                           f"of {s['spec_num_drafts']} draft tokens"),
+                 ("acceptance per position", per_pos),
+                 # vLLM's definition: tokens per verify step, the bonus token included
+                 ("mean acceptance length", "no drafts verified" if mal is None else
+                  f"{mal:.2f} (1 + accepted / {s['spec_num_draft_sequences']} draft sequences)")]
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
@@ -99,6 +105,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--speculative", choices=["ngram", "draft"], default=None,
-                    help="turn on speculative decoding (n-gram or the tiny draft model)")
+    ap.add_argument("--speculative", choices=["ngram", "draft", "eagle"], default=None,
+                    help="turn on speculative decoding (n-gram, the tiny draft model, or the EAGLE head "
+                         "models/tiny-py-eagle)")
     main(speculative=ap.parse_args().speculative)

@@ -1,6 +1,8 @@
 """Metrics, the chat entry point and the stat logger."""
 import logging
 
+import pytest
+
 from engine_utils import make_llm
 from mini_vllm import SamplingParams
 
@@ -72,3 +74,81 @@ def test_stat_logger_logs_throughput(caplog):
     with caplog.at_level(logging.INFO, logger="mini_vllm"):
         llm.generate("x = 1", SamplingParams(max_tokens=3), use_tqdm=False)
     assert any("generation throughput" in r.message for r in caplog.records), "no periodic stats line"
+
+
+def test_spec_decoding_stats_mean_acceptance_length():
+    from mini_vllm.metrics.stats import SpecDecodingStats
+
+    s = SpecDecodingStats()
+    assert s.mean_acceptance_length is None, "mean acceptance length must stay undefined before any draft (vLLM)"
+    for drafts, accepted in ((3, 2), (1, 0), (3, 3)):  # three draft sequences: 7 draft tokens, 5 accepted
+        s.observe_draft(drafts, accepted)
+    assert (s.num_draft_sequences, s.num_drafts, s.num_accepted) == (3, 7, 5), (
+        f"counted {s.num_draft_sequences} sequences, {s.num_drafts} draft tokens, {s.num_accepted} accepted; "
+        "want 3, 7, 5 (a sequence is one request-step, however many drafts it carries)")
+    assert s.mean_acceptance_length == 1 + 5 / 3, (
+        f"mean acceptance length {s.mean_acceptance_length}, want 1 + accepted / draft sequences = 1 + 5 / 3")
+    assert s.drafts_per_position == [3, 2, 2] and s.accepted_per_position == [2, 2, 1], (
+        f"per position: drafts {s.drafts_per_position}, accepted {s.accepted_per_position}; want [3, 2, 2] and "
+        "[2, 2, 1] (position j counts sequences with more than j drafts, accepted if all up to j were)")
+
+
+@pytest.mark.parametrize("method,async_scheduling", [("ngram", False), ("draft_model", True)],
+                         ids=["ngram", "draft-model-async"])
+def test_prometheus_spec_decode_counters_match_the_verifier(method, async_scheduling):
+    """The step-by-step counters on /metrics (counted by the core from each step's
+    drafts and sampled tokens) against the worker's verifier, which counts alone;
+    with asynchronous scheduling the core schedules placeholder drafts that the
+    runner fills, and those count too."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_utils import SMALL_KV, target_path
+    from mini_vllm.course.tiny_models import model_path
+    from mini_vllm.engine.async_llm import AsyncLLM
+    from mini_vllm.metrics.prometheus import PrometheusStatLogger
+
+    k = 3
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = str(model_path("tiny-py-draft"))
+    prompts = ["def __init__(self, name, value=None):\n        self.name = name\n        self.value = ",
+               "import os\nimport sys\nimport re\nimport ", "for i in range(10):\n    print(i)\nfor j in range("]
+    prom = PrometheusStatLogger("tiny", num_spec_tokens=k)
+
+    async def main():
+        llm = AsyncLLM.from_engine_args(target_path(), dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV,
+                                        block_size=8, stat_loggers=[prom], multiprocess_mode=True,
+                                        async_scheduling=async_scheduling, speculative_config=spec)
+        try:
+            async def run(i, p):
+                async for _ in llm.generate(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                            f"r{i}"):
+                    pass
+            await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+            return await llm.call_utility("spec_decoding_stats")
+        finally:
+            llm.shutdown()
+
+    want = asyncio.run(main())
+    got = {(s.name, s.labels.get("position")): s.value
+           for fam in text_string_to_metric_families(prom.render().decode()) for s in fam.samples
+           if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total")}
+    assert 0 < want["num_draft_sequences"] < want["num_drafts"] and 0 < want["num_accepted"] < want["num_drafts"], (
+        f"the workload must verify several drafts per sequence, with acceptances and rejections: {want}")
+    assert got.get(("vllm:spec_decode_num_drafts_total", None)) == want["num_draft_sequences"], (
+        f"vllm:spec_decode_num_drafts_total {got.get(('vllm:spec_decode_num_drafts_total', None))} != the "
+        f"verifier's {want['num_draft_sequences']} draft sequences (counted draft tokens, or missed steps)")
+    assert got.get(("vllm:spec_decode_num_draft_tokens_total", None)) == want["num_drafts"], (
+        f"vllm:spec_decode_num_draft_tokens_total {got.get(('vllm:spec_decode_num_draft_tokens_total', None))} "
+        f"!= the verifier's {want['num_drafts']} draft tokens")
+    assert got.get(("vllm:spec_decode_num_accepted_tokens_total", None)) == want["num_accepted"], (
+        f"vllm:spec_decode_num_accepted_tokens_total {got.get(('vllm:spec_decode_num_accepted_tokens_total', None))}"
+        f" != the verifier's {want['num_accepted']} accepted tokens (the bonus token counted as accepted?)")
+    per_pos = [got.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(j))) for j in range(k)]
+    want_pos = want["accepted_per_position"] + [0] * (k - len(want["accepted_per_position"]))
+    assert per_pos == want_pos and sum(per_pos) == want["num_accepted"], (
+        f"vllm:spec_decode_num_accepted_tokens_per_pos_total by position {per_pos} != the verifier's {want_pos}")
+    assert want["mean_acceptance_length"] == 1 + want["num_accepted"] / want["num_draft_sequences"], (
+        f"the engine's mean acceptance length {want['mean_acceptance_length']} is not 1 + accepted / drafts")

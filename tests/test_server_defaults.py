@@ -161,3 +161,40 @@ def test_request_metric_series(api_server):
     assert d("vllm:generation_tokens_total") == n_gen and d("vllm:iteration_tokens_total_count") >= 7
     info = [k for k in after if k[0] == "vllm:cache_config_info"]
     assert info and dict(info[0][1])["block_size"] == "16"
+
+
+def test_spec_decode_series_on_metrics(api_server):
+    """--speculative-config puts vLLM's four speculative-decoding counters on /metrics;
+    oracle: the verifier's own counts in an offline engine given the same greedy requests,
+    one at a time. A server without speculation shows none (vLLM registers them only
+    with a speculative config)."""
+    plain = sorted({key[0] for key in _samples(api_server) if key[0].startswith("vllm:spec_decode_")})
+    assert not plain, f"a server without speculation must not show speculative-decoding series: {plain}"
+    k = 3
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    prompts = ["import os\nimport sys\nimport re\nimport ", "for i in range(10):\n    print(i)\nfor j in range("]
+    s = Server("--speculative-config", json.dumps(spec))
+    try:
+        for p in prompts:
+            r = httpx.post(s.url + "/v1/completions", json={"model": SERVED_NAME, "prompt": p, "max_tokens": 24,
+                                                            "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text[:300]
+        s.wait_idle()
+        got = _samples(s)
+    finally:
+        s.stop()
+    llm = make_llm(speculative_config=spec)
+    for p in prompts:
+        llm.generate(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+    want = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
+    assert 0 < want["num_draft_sequences"] < want["num_drafts"], f"the workload must verify drafts: {want}"
+    for name, key in (("drafts", "num_draft_sequences"), ("draft_tokens", "num_drafts"),
+                      ("accepted_tokens", "num_accepted")):
+        value = got.get((f"vllm:spec_decode_num_{name}_total", ()))
+        assert value == want[key], (f"vllm:spec_decode_num_{name}_total is {value}, the verifier counted "
+                                    f"{want[key]} {key} (counter missing, or fed the wrong count)")
+    per_pos = [got.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),)))
+               for j in range(k)]
+    want_pos = want["accepted_per_position"] + [0] * (k - len(want["accepted_per_position"]))
+    assert per_pos == want_pos, (f"vllm:spec_decode_num_accepted_tokens_per_pos_total by position {per_pos}, "
+                                 f"the verifier counted {want_pos} (one series per position 0 .. k - 1)")

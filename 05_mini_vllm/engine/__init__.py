@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from mini_vllm.metrics.stats import SchedulerStats
+from mini_vllm.metrics.stats import SchedulerStats, SpecDecodingStats
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import EngineCoreOutput
 
@@ -95,13 +95,17 @@ class EngineCoreOutputs:
     ask the core: the scheduler's snapshot, the requests scheduled for the
     first time (queue time), the prompt tokens computed, and when each phase of
     the step started and ended (`timestamps`: time.monotonic(), comparable
-    across processes on one machine), which the step timeline draws."""
+    across processes on one machine), which the step timeline draws.
+    `spec_decoding_stats` holds the step's verified drafts, None for a step
+    without any (vLLM carries it inside `SchedulerStats`; here that is Chapter
+    3's record, so it rides beside it)."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     first_scheduled: list[str] = field(default_factory=list)
     num_prompt_tokens_computed: int = 0
     timestamps: dict[str, float] = field(default_factory=dict)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     @property
     def timings(self) -> dict[str, float]:

@@ -197,7 +197,7 @@ class AsyncLLM:
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
-                self._record_stats(res.scheduler_stats)
+                self._record_stats(res.scheduler_stats, res.spec_decoding_stats)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - the core is gone: fail loudly, once
@@ -213,12 +213,12 @@ class AsyncLLM:
         for q in list(self._queues.values()):
             q.put_nowait(exc)
 
-    def _record_stats(self, sched_stats) -> None:
+    def _record_stats(self, sched_stats, spec_stats) -> None:
         """Hand the loggers what the last step changed."""
         m, c = self.engine.metrics, self._cursor
         st = None if not self.stat_loggers else StepStats(sched_stats, m.num_prompt_tokens - c[0],
                        m.num_generation_tokens - c[1], m.ttfts[c[2]:], m.itls[c[3]:], m.e2e_latencies[c[4]:],
-                       m.finished[c[5]:], m.iteration_tokens[c[6]:])
+                       m.finished[c[5]:], m.iteration_tokens[c[6]:], spec_decoding_stats=spec_stats)
         for lst in (m.ttfts, m.itls, m.e2e_latencies, m.queue_times, m.finished, m.iteration_tokens):
             if len(lst) > _MAX_KEPT_SAMPLES:
                 del lst[:len(lst) // 2]

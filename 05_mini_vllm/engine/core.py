@@ -29,7 +29,7 @@ from pathlib import Path
 from mini_vllm.engine import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from mini_vllm.executor import get_executor_class
 from mini_vllm.executor.abstract import Executor
-from mini_vllm.metrics.stats import SchedulerStats
+from mini_vllm.metrics.stats import SchedulerStats, SpecDecodingStats
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
 from mini_vllm.speculative.verifier import spec_eligible
@@ -178,7 +178,8 @@ class EngineCore:
         # Every number here was counted by its owner: the scheduler, when it decided the step.
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), first_scheduled=list(so.first_scheduled_req_ids),
                                  num_prompt_tokens_computed=so.num_prompt_tokens,
-                                 timestamps={**stamps, "updated": time.monotonic()})
+                                 timestamps={**stamps, "updated": time.monotonic()},
+                                 spec_decoding_stats=make_spec_decoding_stats(so, mro))
 
     def spec_decoding_stats(self) -> dict | None:
         """Acceptance rate and per-position acceptance of verified drafts: the
@@ -190,3 +191,23 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+
+def make_spec_decoding_stats(so, mro) -> SpecDecodingStats | None:
+    """One step's verified drafts, for the stat loggers (vLLM's
+    `Scheduler.make_spec_decoding_stats`, called from `update_from_output`):
+    each request that was scheduled with drafts and sampled is one draft
+    sequence; all its tokens but the last (the bonus or the correction) are
+    accepted drafts. None for a step without drafts, so a step without
+    speculation costs one empty-dict check. These are the counts the worker's
+    verifier keeps since the start (`spec_decoding_stats`), learned from the
+    step's own input and output, so no call reaches the workers."""
+    stats = None
+    for rid, drafts in so.scheduled_spec_decode_tokens.items():
+        i = mro.req_id_to_index.get(rid)
+        sampled = mro.sampled_token_ids[i] if i is not None else ()
+        if drafts and sampled:
+            if stats is None:
+                stats = SpecDecodingStats()
+            stats.observe_draft(len(drafts), len(sampled) - 1)
+    return stats

@@ -170,5 +170,7 @@ class LLMEngine:
         if spec is not None:
             out["spec_acceptance_rate"] = spec["acceptance_rate"]
             out["spec_acceptance_per_position"] = spec["acceptance_per_position"]
-            out["spec_num_drafts"] = spec["num_drafts"]
+            out["spec_num_drafts"] = spec["num_drafts"]  # draft tokens
+            out["spec_num_draft_sequences"] = spec["num_draft_sequences"]
+            out["spec_mean_acceptance_length"] = spec["mean_acceptance_length"]  # None before any draft
         return out

@@ -34,6 +34,20 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     p.add_argument("--compilation-config", "-O", default=None, type=_compilation_config,
                    help='an int mode (-O3: VLLM_COMPILE) or JSON, e.g. \'{"mode": 3, "cudagraph_mode": '
                         '"FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]}\'')
+    p.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\'')
+
+
+def _json_object(text: str) -> dict:
+    """A JSON-object flag (argparse names the flag in its error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _compilation_config(text: str):
@@ -87,7 +101,8 @@ def _engine_kwargs(args) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
+                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
+                speculative_config=args.speculative_config)
 
 
 def _generate(args) -> int:

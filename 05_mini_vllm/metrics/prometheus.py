@@ -24,8 +24,15 @@ servers in one process (tests) never share counters.
   `vllm:request_time_per_output_token_seconds`
 - per step: `vllm:iteration_tokens_total` (histogram of tokens per step)
 - `vllm:cache_config_info` (a gauge at 1 whose labels describe the KV cache)
+- with speculative decoding only (`num_spec_tokens` given, as vLLM registers
+  them only with a `speculative_config`), counters fed by each step's
+  `SpecDecodingStats`: `vllm:spec_decode_num_drafts_total` (draft sequences:
+  request-steps that verified drafts), `vllm:spec_decode_num_draft_tokens_total`,
+  `vllm:spec_decode_num_accepted_tokens_total` and
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total` (label `position`,
+  0 .. k - 1). Mean acceptance length = 1 + accepted / drafts.
 vLLM series left out (nothing here computes them): LoRA, multimodal cache,
-speculative-decoding and external (KV connector) prefix-cache counters,
+external (KV connector) prefix-cache counters,
 waiting-by-reason, per-request preemptions, cached prompt tokens by source,
 KV block lifetime / idle / reuse histograms, sleep state, corrupted requests.
 """
@@ -50,7 +57,7 @@ _FINISH_REASONS = ("stop", "length", "abort")
 class PrometheusStatLogger:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_spec_tokens: int | None = None) -> None:
         self.registry = r = CollectorRegistry()
         lbl, v = ["model_name"], [model_name]
 
@@ -77,6 +84,14 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens computed")
         self.gen_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self._last = (0, 0, 0)  # the scheduler's cumulative queries, hits, preemptions
+        self.spec = None  # (drafts, draft tokens, accepted tokens, accepted per position)
+        if num_spec_tokens:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position",
+                              ["model_name", "position"], registry=r)
+            self.spec = (counter("vllm:spec_decode_num_drafts", "Draft sequences verified"),
+                         counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified"),
+                         counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+                         [per_pos.labels(model_name, str(j)) for j in range(num_spec_tokens)])
         success = Counter("vllm:request_success", "Finished requests, by finish reason",
                           ["model_name", "finished_reason"], registry=r)
         self.success = {f: success.labels(model_name, f) for f in _FINISH_REASONS}
@@ -136,6 +151,14 @@ class PrometheusStatLogger:
                 h[name].observe(value)
         for x in st.iteration_tokens:
             self.iteration_tokens.observe(x)
+        sd = st.spec_decoding_stats
+        if sd is not None and self.spec is not None:  # per-step counts: no running totals to subtract
+            drafts, draft_tokens, accepted, per_pos = self.spec
+            drafts.inc(sd.num_draft_sequences)
+            draft_tokens.inc(sd.num_drafts)
+            accepted.inc(sd.num_accepted)
+            for c, n in zip(per_pos, sd.accepted_per_position):
+                c.inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

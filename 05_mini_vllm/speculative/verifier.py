@@ -15,6 +15,8 @@ Which requests may get drafts at all is `spec_eligible`.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from mini_vllm.metrics.stats import SpecDecodingStats
@@ -67,10 +69,7 @@ class SpecVerifier:
     def __init__(self, device) -> None:
         self.sampler = RejectionSampler("triton" if torch.device(device).type == "cuda" else "torch",
                                         compute_probs=compute_probs)
-        self.num_drafts = 0
-        self.num_accepted = 0
-        self.accepted_per_position: list[int] = []
-        self.drafts_per_position: list[int] = []
+        self.totals = SpecDecodingStats()  # every draft sequence verified since the start
 
     def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingMetadata) -> list[list[int]]:
         """logits [sum(k_i + 1), V] in request order, `sampling` one row per request;
@@ -79,18 +78,10 @@ class SpecVerifier:
         out = self.sampler(meta, None, logits, sampling, sampling.generators).tolist()
         emitted = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out]
         for d, e in zip(drafts, emitted):
-            a = len(e) - 1  # accepted drafts; the last token is a recovery or the bonus
-            self.num_drafts += len(d)
-            self.num_accepted += a
-            while len(self.drafts_per_position) < len(d):
-                self.drafts_per_position.append(0)
-                self.accepted_per_position.append(0)
-            for j in range(len(d)):
-                self.drafts_per_position[j] += 1
-                self.accepted_per_position[j] += j < a
+            if d:  # the last emitted token is a recovery or the bonus, the rest accepted drafts
+                self.totals.observe_draft(len(d), len(e) - 1)
         return emitted
 
     def stats(self) -> SpecDecodingStats:
-        """The counters so far, as the metrics record."""
-        return SpecDecodingStats.from_counts(self.num_drafts, self.num_accepted,
-                                             self.drafts_per_position, self.accepted_per_position)
+        """The counters so far, as the metrics record (a copy: the caller may keep it)."""
+        return copy.deepcopy(self.totals)

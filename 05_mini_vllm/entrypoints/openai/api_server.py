@@ -240,7 +240,10 @@ def run_server(args, engine_kwargs: dict) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model]
-    stat_logger = PrometheusStatLogger(names[0])
+    # vLLM registers the speculative-decoding counters only with a speculative config;
+    # one per draft position, so the logger needs k before the engine exists.
+    spec = engine_kwargs.get("speculative_config") or {}
+    stat_logger = PrometheusStatLogger(names[0], num_spec_tokens=spec.get("num_speculative_tokens"))
     api_key = args.api_key or os.environ.get("MINI_VLLM_API_KEY")
     engine_kwargs = {**engine_kwargs, "generation_config": args.generation_config,
                      "max_logprobs": args.max_logprobs, "policy": args.policy,
