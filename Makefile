@@ -12,7 +12,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models editor-model mutants vllm test-vllm clean FORCE
+.PHONY: install demo test test-fast lab bench models editor-model eagle-model mutants vllm test-vllm clean FORCE
 
 install: $(LINKS)
 
@@ -78,6 +78,11 @@ models: $(STAMP)
 # Fine-tunes tiny-py-target into tiny-py-editor, which copies code (about 25 minutes on one CPU core).
 editor-model: $(STAMP)
 	$(PY) training/finetune_editor.py --out models/tiny-py-editor
+
+# Trains tiny-py-eagle, an EAGLE-1 draft head on tiny-py-target's hidden states (about 25 minutes
+# on 2 CPU cores; seeded, so a rerun reproduces the committed head's held-out acceptance).
+eagle-model: $(STAMP)
+	$(PY) training/train_eagle.py --out models/tiny-py-eagle
 
 # Real vLLM (PyPI's CPU build) in its own venv, the course's reference for differential tests
 # and side-by-side benchmarks. Separate from .venv because it pins other versions (transformers

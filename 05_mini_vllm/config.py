@@ -129,7 +129,8 @@ class EngineConfig:
         # A connector saves blocks by known tokens and the TP driver broadcasts in step
         # order: neither is placeholder-aware. Speculation needs a known draft length (k
         # placeholders per step, filled by the runner): a draft model has one; the n-gram
-        # lookup may find fewer drafts or none (vLLM 0.32 refuses its CPU n-gram too).
+        # lookup may find fewer drafts or none (vLLM 0.32 refuses its CPU n-gram too). EAGLE
+        # runs synchronously here for now: its pass 1 needs the step's tokens on the host.
         spec_ok = self.speculative is None or self.speculative.method == "draft_model"
         blockers = [(name, value) for name, value, ok in (
             ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
@@ -152,6 +153,10 @@ class EngineConfig:
             raise ValueError("kv_transfer_config must be None when tensor_parallel_size > 1 (got "
                              f"tensor_parallel_size={self.tensor_parallel_size}): the KV pool is not "
                              "sharded by rank")
+        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method == "eagle":
+            # The head's layer would need its heads split like the target's; not built yet.
+            raise ValueError("speculative_config.method 'eagle' needs tensor_parallel_size 1, got "
+                             f"{self.tensor_parallel_size}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space < 0 or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:

@@ -1,4 +1,5 @@
-"""Speculative decoding inside the engine.
+"""Speculative decoding inside the engine: n-gram, draft-model and EAGLE proposers
+(EAGLE's own checks are in `test_ch5_eagle.py`).
 
 Oracles: the same engine without speculation (greedy tokens must be
 identical; sampled tokens must have the same distribution), a fresh prefill's
@@ -16,12 +17,14 @@ from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
 DRAFT = str(model_path("tiny-py-draft"))
+EAGLE = str(model_path("tiny-py-eagle"))
+METHODS = ["ngram", "draft_model", "eagle"]
 
 
 def spec(method: str, k: int) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+    return {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def assert_draft_kv_freed(llm) -> None:
                        f"{sum(len(runner.proposer.blocks[r]) for r in stale)} draft blocks (never freed)")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_greedy_identical_to_no_speculation(method, k, code_prompts):
     base = run_greedy(make_llm(block_size=8), code_prompts, 24)
@@ -77,7 +80,7 @@ def spec_workloads(draw):
 
 
 @settings(max_examples=10)
-@given(spec_workloads(), st.sampled_from(["ngram", "draft_model"]), st.integers(1, 5),
+@given(spec_workloads(), st.sampled_from(METHODS), st.integers(1, 5),
        st.sampled_from([None, 16]), st.booleans())
 def test_greedy_identical_over_workloads(work, method, k, budget, tiny_kv):
     """Spec and non-spec requests in one batch, chunked prefill, prefix hits, preemption."""
@@ -118,20 +121,28 @@ def _homogeneous(a: torch.Tensor, b: torch.Tensor, alpha: float) -> bool:
     return chi2_contingency([[r[j] for j in keep] + [o] for r, o in zip(rows, other)])[1] >= alpha
 
 
+def _draft_model_draft_of(prompt: list[int]):
+    """The draft model's proposal after prompt + [t1] (HF transformers)."""
+    from mini_vllm.course.tiny_models import load_tiny_model
+
+    draft = load_tiny_model("tiny-py-draft")
+    return lambda t1: int(draft(torch.tensor([prompt + [t1]])).logits[0, -1].argmax())
+
+
 @torch.no_grad()
-def _draft_agreement_z(samples: torch.Tensor, prompt: list[int]) -> float:
-    """z-score of how often token 2 equals the draft's proposal d(t1).
+def agreement_z(samples: torch.Tensor, prompt: list[int], draft_of) -> float:
+    """z-score of how often token 2 equals the proposer's draft d(t1) = draft_of(t1).
 
     Oracle (HF transformers): under the target, P(t2 = d | t1) = p(d | prompt, t1)
     after temperature 1 and top-k; the count of agreements has mean sum(p_i) and
     variance sum(p_i (1 - p_i)). Accepting drafts too often pushes z up."""
     from mini_vllm.course.tiny_models import load_tiny_model
 
-    target, draft = load_tiny_model("tiny-py-target"), load_tiny_model("tiny-py-draft")
+    target = load_tiny_model("tiny-py-target")
     p_agree, d_of = {}, {}
     for t1 in set(samples[:, 0].tolist()):
         ids = torch.tensor([prompt + [t1]])
-        d = int(draft(ids).logits[0, -1].argmax())
+        d = draft_of(t1)
         logits = target(ids).logits[0, -1].float()
         kth = logits.topk(TOP_K).values[-1]
         probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
@@ -151,7 +162,8 @@ def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatc
     with_spec = _first_tokens(llm, prompt, n, seed=2)
     stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
-    z_base, z_spec = _draft_agreement_z(base, prompt), _draft_agreement_z(with_spec, prompt)
+    draft_of = _draft_model_draft_of(prompt)
+    z_base, z_spec = agreement_z(base, prompt, draft_of), agreement_z(with_spec, prompt, draft_of)
     assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
     assert abs(z_spec) < 4.5, f"with speculation token 2 agrees with the draft too often or too rarely (z={z_spec:.2f})"
     assert _homogeneous(base, with_spec, 1e-3), "token 2 is distributed differently with speculation"
@@ -162,7 +174,7 @@ def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatc
     monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
     lossy = _first_tokens(make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1)),
                           prompt, n, seed=2)
-    z_lossy = _draft_agreement_z(lossy, prompt)
+    z_lossy = agreement_z(lossy, prompt, draft_of)
     assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
         f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"
 

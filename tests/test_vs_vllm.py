@@ -21,7 +21,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vllm_side import MISSING, request, run_mini, run_vllm_jobs, vllm_job, vllm_python  # noqa: E402
+from vllm_side import (MISSING, request, request_result, run_mini, run_vllm_jobs, vllm_job,  # noqa: E402
+                       vllm_python)
 from vllm_diff import compare_phase, compare_prompt_logprobs  # noqa: E402
 
 from mini_vllm.course.tiny_models import model_path  # noqa: E402
@@ -134,6 +135,18 @@ def prefix_phases() -> list[dict]:
             {"name": "shared-prefix", "requests": shared}]
 
 
+EAGLE_SPEC = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num_speculative_tokens": 3}
+# Both engines propose the same greedy drafts from the same head along the same tokens, so
+# their counters differ only where a float near-tie flips one of the head's argmaxes.
+EAGLE_LENGTH_TOL = 0.03
+
+
+def eagle_phase() -> dict:
+    """32 corpus prompts (16-300 tokens) continued greedily for 48 tokens each."""
+    return {"name": "eagle", "requests": [request(p, temperature=0.0, ignore_eos=True, max_tokens=48, logprobs=5)
+                                          for p in corpus_prompts(32, 16, 300, seed=15)]}
+
+
 PREFIX_ARGS = dict(COMMON, max_num_batched_tokens=64, max_num_seqs=16, enable_prefix_caching=True)
 
 
@@ -153,6 +166,8 @@ def vllm_results(checkpoints) -> dict[str, dict]:
                            **COMMON, **VLLM_ONLY) for name in MODELS}
     jobs["features"] = vllm_job(checkpoints["tiny-py-target"], [feature_phase()], **COMMON, **VLLM_ONLY)
     jobs["prefix"] = vllm_job(checkpoints["tiny-py-target"], prefix_phases(), **PREFIX_ARGS, **VLLM_ONLY)
+    jobs["eagle"] = vllm_job(checkpoints["tiny-py-target"], [eagle_phase()], **COMMON, **VLLM_ONLY,
+                             speculative_config=EAGLE_SPEC)
     results = run_vllm_jobs(list(jobs.values()), in_process=True)
     return dict(zip(jobs, results))
 
@@ -208,3 +223,31 @@ def test_prefix_cache_chunked_prefill_and_n_equal_vllm(checkpoints, vllm_results
         hits = [r["num_cached_tokens"] for r in phase["results"]]
         assert min(hits) >= PREFIX, (f"{who} served only {min(hits)} prompt tokens from the prefix cache "
                                      f"(expected >= {PREFIX}): prefix caching was not exercised")
+
+
+def test_eagle_tokens_and_acceptance_equal_vllm(checkpoints, vllm_results):
+    """The course's EAGLE head (`models/tiny-py-eagle`) drafting k = 3 in both engines: the
+    same greedy tokens as vLLM (and as no speculation, which the greedy test pins to vLLM),
+    and the same acceptance: mean acceptance length within EAGLE_LENGTH_TOL, and the accepted
+    tokens at each draft position within 3%."""
+    from mini_vllm import LLM, SamplingParams
+
+    want = vllm_results["eagle"]["phases"][0]
+    llm = LLM(str(checkpoints["tiny-py-target"]), dtype="float32", speculative_config=EAGLE_SPEC, **COMMON)
+    phase = eagle_phase()
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in phase["requests"]],
+                        [SamplingParams(**r["sampling"]) for r in phase["requests"]], use_tqdm=False)
+    got = {"name": "eagle", "results": [request_result(o) for o in outs]}
+    assert_same("eagle", want, got, top_k=5, fields=("finish_reason",))
+    mine = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
+    llm.shutdown()
+    theirs = want["spec_decode"]
+    tau_mine = mine["mean_acceptance_length"]
+    tau_vllm = theirs["mean_acceptance_length"]
+    assert theirs["num_drafts"] > 100 and tau_vllm > 1.2, f"vLLM barely drafted or accepted: {theirs}"
+    assert abs(tau_mine - tau_vllm) <= EAGLE_LENGTH_TOL, (
+        f"mean acceptance length {tau_mine:.3f} vs vLLM's {tau_vllm:.3f} with the same head: the engine "
+        "feeds the head other hidden states, positions or tokens than vLLM does")
+    for j, (a, b) in enumerate(zip(mine["accepted_per_position"], theirs["num_accepted_tokens_per_pos"])):
+        assert abs(a - b) <= 0.03 * max(a, b) + 1, (
+            f"draft position {j + 1}: {a} accepted here, {b} in vLLM (mine {mine}, vLLM {theirs})")

@@ -1,5 +1,6 @@
 """Load the course's own tiny checkpoints (trained by ``training/train_tiny_lm.py``;
-the editor fine-tuned from the target by ``training/finetune_editor.py``).
+the editor fine-tuned from the target by ``training/finetune_editor.py``; the EAGLE
+head for the target by ``training/train_eagle.py``).
 
 The engine loads these exactly like a downloaded Hugging Face checkpoint (vLLM's
 counterpart: ``vllm/model_executor/model_loader/default_loader.py``), only from the
@@ -21,6 +22,9 @@ TARGET_NAME = "tiny-py-target"
 DRAFT_NAME = "tiny-py-draft"
 EDITOR_NAME = "tiny-py-editor"  # the target fine-tuned to copy (training/finetune_editor.py)
 MODEL_NAMES = (TARGET_NAME, DRAFT_NAME, EDITOR_NAME)
+# Draft heads: not language models of their own (training/train_eagle.py); they run on the target.
+EAGLE_NAME = "tiny-py-eagle"
+HEAD_NAMES = (EAGLE_NAME,)
 
 
 def models_dir() -> Path:
@@ -29,8 +33,8 @@ def models_dir() -> Path:
 
 
 def model_path(name: str) -> Path:
-    if name not in MODEL_NAMES:
-        raise ValueError(f"name must be one of {MODEL_NAMES}, got {name!r}")
+    if name not in MODEL_NAMES + HEAD_NAMES:
+        raise ValueError(f"name must be one of {MODEL_NAMES + HEAD_NAMES}, got {name!r}")
     path = models_dir() / name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; run `make models` or set MINI_VLLM_MODELS_DIR")

@@ -4,6 +4,8 @@
 `LLM(..., speculative_config={...})` takes vLLM's field names:
 * {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 * {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+* {"method": "eagle", "model": PATH, "num_speculative_tokens": k}: an EAGLE-1 head
+  (`EagleLlamaForCausalLM`, vLLM's format) trained on the target's hidden states
 Every bad value is a ValueError naming the field and its allowed range; a
 missing draft folder is a FileNotFoundError. The draft model's vocabulary is
 checked against the target's when the draft is loaded.
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -53,8 +55,8 @@ class SpeculativeConfig:
                                  f"got {lo!r} and {hi!r}")
         else:
             if not self.model:
-                raise ValueError("speculative_config.model (the draft model's folder) is required "
-                                 "for method 'draft_model'")
+                raise ValueError("speculative_config.model (the draft model's or head's folder) is "
+                                 f"required for method {self.method!r}")
             if not Path(self.model).is_dir():
                 raise FileNotFoundError(f"speculative_config.model: draft model folder {self.model} "
                                         "does not exist")

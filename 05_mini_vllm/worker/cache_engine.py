@@ -9,6 +9,12 @@ Layout: per layer a (key_cache, value_cache) pair, each
 [num_blocks, block_size, num_kv_heads, head_dim] (Chapter 1). Block ids are
 shared by all layers: block b of request r is block b in every layer.
 
+An EAGLE head adds `num_draft_layers` layers laid out the same way and
+addressed by the same block ids. Their tensors (`draft_cache`) have
+`num_scratch_blocks` more blocks past the pool's, which only the proposer
+uses; `gpu_cache` lists the pool's part of them, so swaps, copies and KV
+connectors move the head's KV with the target's.
+
 Invariant: the moves of one step run in the order swap-out, swap-in, copy
 (Chapter 3's protocol), through the same `copy_blocks` that Chapter 3's
 model-free `MiniRunner` uses: one batched index copy per tensor.
@@ -39,11 +45,16 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, what: str) ->
 
 class CacheEngine:
     def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, num_draft_layers: int = 0,
+                 num_scratch_blocks: int = 0) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.device = torch.device(device)
         self.gpu_cache = [allocate_kv_cache(num_gpu_blocks, block_size, num_kv_heads, head_dim,
                                             dtype, self.device) for _ in range(num_layers)]
+        self.draft_cache = [allocate_kv_cache(num_gpu_blocks + num_scratch_blocks, block_size, num_kv_heads,
+                                              head_dim, dtype, self.device) for _ in range(num_draft_layers)]
+        self.gpu_cache += [(k[:num_gpu_blocks], v[:num_gpu_blocks]) for k, v in self.draft_cache]
+        num_layers += num_draft_layers
         # Swap space lives in host memory (pinned on CUDA for async copies).
         self.cpu_cache = []
         if num_cpu_blocks:

@@ -38,7 +38,9 @@ from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.spec_decode import NgramProposer
+from mini_vllm.speculative.eagle import EagleProposer
 from mini_vllm.speculative.proposers import DraftModelProposer
+from mini_vllm.worker.eagle_inputs import propose_eagle
 from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
 
 
@@ -69,8 +71,8 @@ class ModelRunner:
         # (duck-typed, never imported here), else None.
         self.kv_connector = kv_connector
         self.spec_verifier = SpecVerifier(self.device)
-        # The speculative proposer (Chapter 4's `NgramProposer` or
-        # `speculative.proposers.DraftModelProposer`), or None without
+        # The speculative proposer (Chapter 4's `NgramProposer`,
+        # `speculative.proposers.DraftModelProposer` or `speculative.eagle.EagleProposer`), or None without
         # speculative decoding: after each step it drafts the next step's tokens.
         self.proposer = proposer
         # Asynchronous scheduling with speculation: the drafts kept between steps and the
@@ -240,7 +242,9 @@ class ModelRunner:
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = prompt_logprobs_dict(self.model, self.requests, hidden, req_ids, md) or None
-        if self.proposer is not None:
+        if isinstance(self.proposer, EagleProposer):  # reads this step's hidden states
+            mro.spec_token_ids = propose_eagle(self, req_ids, input_ids, positions, md, hidden, sampled)
+        elif self.proposer is not None:
             drafts = self._propose_drafts(sampled)
             if self.async_drafts is None:
                 mro.spec_token_ids = drafts  # for the scheduler's next schedule()

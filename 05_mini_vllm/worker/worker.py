@@ -33,6 +33,7 @@ from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.loader import load_model
 from mini_vllm.paged_attention import allocate_kv_cache
+from mini_vllm.speculative.eagle import EagleProposer
 
 logger = logging.getLogger("mini_vllm")
 
@@ -58,7 +59,16 @@ class Worker:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({mc.max_position_embeddings}), got {self.max_model_len}")
-        self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers, config.block_size,
+        # An EAGLE head is one more attention layer in the same blocks (speculative/eagle.py).
+        self.draft_head = None
+        spec = config.speculative
+        if spec is not None and spec.method == "eagle":
+            from mini_vllm.models.llama_eagle import load_eagle_head
+
+            self.draft_head = load_eagle_head(spec.model, self.model, config.torch_dtype, self.device,
+                                              self.attention_backend)
+        num_draft_layers = 0 if self.draft_head is None else len(self.draft_head.attention_layers())
+        self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers + num_draft_layers, config.block_size,
                                                   self.num_kv_heads, mc.head_dim,
                                                   config.torch_dtype)
 
@@ -159,9 +169,13 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int) -> None:
         mc, cfg = self.model_config, self.config
-        self.cache_engine = CacheEngine(mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks,
-                                        cfg.block_size, self.num_kv_heads, mc.head_dim,
-                                        cfg.torch_dtype, self.device)
+        head = self.draft_head
+        self.cache_engine = CacheEngine(
+            mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size, self.num_kv_heads,
+            mc.head_dim, cfg.torch_dtype, self.device,
+            num_draft_layers=0 if head is None else len(head.attention_layers()),
+            num_scratch_blocks=0 if head is None else EagleProposer.scratch_blocks_needed(
+                max_num_seqs, cfg.speculative.num_speculative_tokens, cfg.block_size))
         if self.kv_connector is not None:  # it reads and writes these tensors in place
             self.kv_connector.register_kv_caches(self.cache_engine.gpu_cache)
         proposer = (None if cfg.speculative is None
@@ -182,6 +196,9 @@ class Worker:
         if spec.method == "ngram":
             return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
                                  k=spec.num_speculative_tokens)
+        if spec.method == "eagle":
+            return EagleProposer(self.draft_head, spec.num_speculative_tokens, self.config.block_size,
+                                 self.cache_engine.draft_cache[0], num_blocks, self.device)
         draft, dcfg = load_model(spec.model, dtype=self.config.torch_dtype, device=self.device)
         if dcfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({dcfg.vocab_size}) must "

@@ -1,0 +1,233 @@
+"""EAGLE speculative decoding in the engine (`speculative/eagle.py`, `models/llama_eagle.py`).
+
+Oracles:
+* the plain-PyTorch head of `training/eagle_head.py` (dense attention, one
+  sequence) for the paged head's hidden states;
+* the same reference unrolled along the engine's own greedy output: every
+  draft the engine proposes must be the reference chain's draft, up to the
+  first one that mismatches the continuation (after it the chains read
+  different tokens);
+* the engine without speculation for tokens (greedy in `test_ch5_spec_decode.py`,
+  sampled here with a chi-square test that is shown to have power).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_utils import assert_pool_full, make_llm, run_greedy
+from mini_vllm import SamplingParams
+from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer, model_path
+from mini_vllm.forward_context import set_forward_context
+from mini_vllm.models.llama_eagle import load_eagle_head
+from mini_vllm.models.loader import load_model
+from mini_vllm.paged_attention import allocate_kv_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from eagle_head import EagleHead, load_head, save_head  # noqa: E402
+from train_eagle import unroll  # noqa: E402
+
+EAGLE = str(model_path("tiny-py-eagle"))
+TARGET = model_path("tiny-py-target")
+
+
+def eagle(k: int, head: str = EAGLE) -> dict:
+    return {"method": "eagle", "model": head, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory) -> Path:
+    """A head with random weights (large enough that every part of it matters)."""
+    torch.manual_seed(0)
+    head = EagleHead(256, 4, 2, 64, 768)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    save_head(head, out, json.loads((TARGET / "config.json").read_text()))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@torch.inference_mode()
+def test_paged_head_equals_the_plain_pytorch_reference(random_head, backend):
+    """Two prefill chunks and three one-token steps through the paged KV cache give the
+    hidden states of one causal pass of the reference over the whole sequence."""
+    target, _ = load_model(TARGET, dtype=torch.float32)
+    head = load_eagle_head(random_head, target, torch.float32, "cpu", backend)
+    bs, T = 8, 23
+    kv = allocate_kv_cache(6, bs, 2, 64, torch.float32, torch.device("cpu"))
+    head.attention_layers()[0].kv_cache = kv
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6144, (T,), generator=gen)
+    hidden = torch.randn(T, 256, generator=gen)
+    table = torch.tensor([[4, 1, 5, 0]], dtype=torch.int32)  # blocks out of order on purpose
+    got = []
+    for lo, hi in [(0, 12), (12, 20), (20, 21), (21, 22), (22, 23)]:
+        pos = torch.arange(lo, hi)
+        slots = table[0, pos // bs].long() * bs + pos % bs
+        md = AttentionMetadata(slots, table, torch.tensor([0, hi - lo], dtype=torch.int32),
+                               torch.tensor([hi], dtype=torch.int32), hi - lo, hi, [hi - lo], [hi])
+        with set_forward_context(md):
+            got.append(head(ids[lo:hi], pos, hidden[lo:hi]))
+    got = torch.cat(got)
+    ref = load_head(random_head)
+    want = ref(target.model.embed_tokens.weight[ids][None], hidden[None], torch.arange(T)[None])[0]
+    err = (got - want).abs().max().item()
+    assert err < 1e-4, (f"paged EAGLE head differs from the reference by {err:.2e}: the shift, the fc input "
+                        "order [embed; hidden], the missing input norm or the KV written to the wrong slots")
+    logits = head.compute_logits(got[-1:])
+    assert torch.equal(logits, target.compute_logits(got[-1:])), "the head must use the target's LM head"
+
+
+def _record_drafts(llm, monkeypatch) -> list[tuple[str, list[int], list[int]]]:
+    """Wraps the runner's EAGLE call: (request, its tokens when drafting, the drafts)."""
+    import mini_vllm.worker.model_runner as mr
+
+    seen, real = [], mr.propose_eagle
+
+    def spy(runner, req_ids, input_ids, positions, md, hidden, sampled):
+        out = real(runner, req_ids, input_ids, positions, md, hidden, sampled)
+        for rid, d in out.items():
+            seen.append((rid, runner.requests[rid].token_ids + sampled[rid], list(d)))
+        return out
+
+    monkeypatch.setattr(mr, "propose_eagle", spy)
+    return seen
+
+
+@torch.no_grad()
+def assert_drafts_match_reference(seen, final: dict[str, list[int]], skip=()) -> tuple[int, int]:
+    """Every recorded proposal against the reference chain along the final output;
+    returns (drafts compared, drafts equal to the continuation)."""
+    target = load_tiny_model("tiny-py-target")
+    ref = load_head(EAGLE)
+    embed = target.model.embed_tokens.weight
+    checked = accepted = 0
+    for rid, tokens, drafts in seen:
+        if rid in skip:
+            continue
+        seq = final[rid]
+        assert seq[:len(tokens)] == tokens, f"{rid}: the drafting context is not a prefix of the output"
+        L, k = len(tokens), len(drafts)
+        ext = torch.tensor(seq[:L] + [0] * (k + 1))  # teacher tokens past the output are never compared
+        ext[L:L + min(k, len(seq) - L)] = torch.tensor(seq[L:L + k])
+        feats = target.model(input_ids=ext[None]).last_hidden_state
+        want = [int((g[0, L - 2] @ embed.T).argmax()) for g in unroll(ref, embed, ext[None], feats, L - 1, k)]
+        for j in range(k):
+            assert drafts[j] == want[j], (f"{rid} after {L} tokens: draft {j + 1} is {drafts[j]}, the reference "
+                                          f"chain says {want[j]} (drafts {drafts}, reference {want}): hidden "
+                                          "state of the wrong position, ids not shifted, positions not "
+                                          "advanced, or the head's KV not written")
+            checked += 1
+            if L + j >= len(seq) or seq[L + j] != want[j]:
+                break  # the engine fed its own draft from here on; the reference the true token
+            accepted += 1
+    return checked, accepted
+
+
+def code_prompts() -> list[list[int]]:
+    tok = load_tiny_tokenizer()
+    texts = ["def __init__(self, name, value=None):\n        self.name = name\n",
+             "import os\nimport sys\n\n\ndef main(argv):\n    ", "class Error(Exception):\n    pass\n\n\n"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def test_engine_drafts_are_the_reference_chain(monkeypatch):
+    """Along the engine's own greedy output (chunked prefill: 16-token budget), each
+    proposal equals the reference's drafts as far as the reference reads the same tokens."""
+    llm = make_llm(block_size=8, max_num_batched_tokens=16, speculative_config=eagle(4), multiprocess_mode=False)
+    seen = _record_drafts(llm, monkeypatch)
+    outs = llm.generate([{"prompt_token_ids": p} for p in code_prompts()],
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+    final = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    checked, accepted = assert_drafts_match_reference(seen, final)
+    assert checked >= 60 and accepted >= 20, f"too few drafts compared ({checked}, {accepted} matching)"
+    assert_pool_full(llm)
+
+
+def test_a_prefix_hit_finds_the_heads_kv(monkeypatch):
+    """A second request whose prompt is the first one's whole output hits its cached
+    blocks; its drafts still equal the reference, which needs the head's KV of every
+    cached position (written by the first request's steps, in the same blocks)."""
+    llm = make_llm(block_size=8, enable_prefix_caching=True, speculative_config=eagle(3), multiprocess_mode=False)
+    seen = _record_drafts(llm, monkeypatch)
+    first = llm.generate([{"prompt_token_ids": code_prompts()[0]}],
+                         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    n_first = len(seen)
+    prompt2 = first.prompt_token_ids + first.outputs[0].token_ids
+    second = llm.generate([{"prompt_token_ids": prompt2}],
+                          SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 32, f"no prefix hit ({second.num_cached_tokens} cached tokens)"
+    final = {second.request_id: prompt2 + second.outputs[0].token_ids}
+    checked, accepted = assert_drafts_match_reference(seen[n_first:], final)
+    assert checked >= 10 and accepted >= 3, f"too few drafts compared ({checked}, {accepted} matching)"
+
+
+def test_n_and_abort_leave_other_requests_exact():
+    """n = 2 fans out in the front end (two independent requests, both drafting), and an
+    abort mid-flight frees the request without disturbing the one beside it."""
+    prompts = code_prompts()
+    base = run_greedy(make_llm(block_size=8), prompts[:2], 30)
+    llm = make_llm(block_size=8, speculative_config=eagle(3))
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}],
+                        SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == [base[0]] * 2, "n = 2 with EAGLE changed greedy tokens"
+    eng = llm.llm_engine
+    for rid, p in (("keep", prompts[1]), ("drop", prompts[0])):
+        eng.add_request(rid, {"prompt_token_ids": p}, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    got: list[int] = []
+    for step in range(200):
+        if step == 3:
+            eng.abort_request(["drop"])
+        for o in eng.step():
+            if o.request_id == "keep" and o.finished:
+                got = o.outputs[0].token_ids
+        if not eng.has_unfinished_requests():
+            break
+    assert got == base[1], "aborting one request changed the tokens of the other"
+    assert_pool_full(llm)
+
+
+def _eagle_draft_of(prompt: list[int]):
+    """The head's first draft after prompt + [t1], from the reference (HF target + plain head)."""
+    target, ref = load_tiny_model("tiny-py-target"), load_head(EAGLE)
+    embed = target.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def draft(t1: int) -> int:
+        ids = torch.tensor([prompt + [t1, 0]])
+        feats = target.model(input_ids=ids).last_hidden_state
+        g = unroll(ref, embed, ids, feats, len(prompt), 1)[0]
+        return int((g[0, -1] @ embed.T).argmax())
+    return draft
+
+
+def test_sampling_with_eagle_is_lossless_and_the_test_has_power(monkeypatch):
+    from test_ch5_spec_decode import _first_tokens, _homogeneous, agreement_z
+
+    prompt = code_prompts()[1]
+    n = 400
+    base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
+    llm = make_llm(max_num_seqs=256, speculative_config=eagle(1))
+    with_spec = _first_tokens(llm, prompt, n, seed=2)
+    stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
+    assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
+    draft = _eagle_draft_of(prompt)
+    z_base, z_spec = agreement_z(base, prompt, draft), agreement_z(with_spec, prompt, draft)
+    assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
+    assert abs(z_spec) < 4.5, f"with EAGLE token 2 agrees with the head's draft too often or too rarely (z={z_spec:.2f})"
+    assert _homogeneous(base, with_spec, 1e-3), "token 2 is distributed differently with EAGLE"
+    from mini_vllm.spec_decode import RejectionSampler
+    from mini_vllm.spec_decode.lossy import accept_always
+
+    monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
+    lossy = _first_tokens(make_llm(max_num_seqs=256, speculative_config=eagle(1)), prompt, n, seed=2)
+    z_lossy = agreement_z(lossy, prompt, draft)
+    assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
+        f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"
