@@ -170,13 +170,14 @@ def test_a_prefix_hit_finds_the_heads_kv(monkeypatch):
 
 
 def test_n_and_abort_leave_other_requests_exact():
-    """n = 2 fans out in the front end (two independent requests, both drafting), and an
-    abort mid-flight frees the request without disturbing the one beside it."""
+    """n = 2 fans out in the front end (two independent requests, both drafting; top-1
+    sampling, since n > 1 at temperature 0 is refused as in vLLM), and an abort mid-flight
+    frees the request without disturbing the one beside it."""
     prompts = code_prompts()
     base = run_greedy(make_llm(block_size=8), prompts[:2], 30)
     llm = make_llm(block_size=8, speculative_config=eagle(3))
     outs = llm.generate([{"prompt_token_ids": prompts[0]}],
-                        SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+                        SamplingParams(n=2, max_tokens=30, temperature=1.0, top_k=1, ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in outs[0].outputs] == [base[0]] * 2, "n = 2 with EAGLE changed greedy tokens"
     eng = llm.llm_engine
     for rid, p in (("keep", prompts[1]), ("drop", prompts[0])):

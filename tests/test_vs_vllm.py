@@ -141,9 +141,12 @@ EAGLE_SPEC = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num
 EAGLE_LENGTH_TOL = 0.03
 
 
-def eagle_phase() -> dict:
-    """32 corpus prompts (16-300 tokens) continued greedily for 48 tokens each."""
-    return {"name": "eagle", "requests": [request(p, temperature=0.0, ignore_eos=True, max_tokens=48, logprobs=5)
+def eagle_phase(logprobs: int | None = 5) -> dict:
+    """32 corpus prompts (16-300 tokens) continued greedily for 48 tokens each. vLLM's run asks
+    for logprobs, which the near-tie rule reads; the engine's does not, since the engine
+    drafts only for requests without logprobs (`speculative.verifier.spec_eligible`)."""
+    return {"name": "eagle", "requests": [request(p, temperature=0.0, ignore_eos=True, max_tokens=48,
+                                                  logprobs=logprobs)
                                           for p in corpus_prompts(32, 16, 300, seed=15)]}
 
 
@@ -228,26 +231,34 @@ def test_prefix_cache_chunked_prefill_and_n_equal_vllm(checkpoints, vllm_results
 def test_eagle_tokens_and_acceptance_equal_vllm(checkpoints, vllm_results):
     """The course's EAGLE head (`models/tiny-py-eagle`) drafting k = 3 in both engines: the
     same greedy tokens as vLLM (and as no speculation, which the greedy test pins to vLLM),
-    and the same acceptance: mean acceptance length within EAGLE_LENGTH_TOL, and the accepted
-    tokens at each draft position within 3%."""
+    and the same acceptance: at each draft position within 0.02, and the mean acceptance
+    length they imply within EAGLE_LENGTH_TOL."""
     from mini_vllm import LLM, SamplingParams
 
     want = vllm_results["eagle"]["phases"][0]
     llm = LLM(str(checkpoints["tiny-py-target"]), dtype="float32", speculative_config=EAGLE_SPEC, **COMMON)
-    phase = eagle_phase()
+    phase = eagle_phase(logprobs=None)
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in phase["requests"]],
                         [SamplingParams(**r["sampling"]) for r in phase["requests"]], use_tqdm=False)
     got = {"name": "eagle", "results": [request_result(o) for o in outs]}
-    assert_same("eagle", want, got, top_k=5, fields=("finish_reason",))
+    assert_same("eagle", want, got, top_k=0, fields=("finish_reason",))
     mine = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     llm.shutdown()
     theirs = want["spec_decode"]
-    tau_mine = mine["mean_acceptance_length"]
-    tau_vllm = theirs["mean_acceptance_length"]
-    assert theirs["num_drafts"] > 100 and tau_vllm > 1.2, f"vLLM barely drafted or accepted: {theirs}"
-    assert abs(tau_mine - tau_vllm) <= EAGLE_LENGTH_TOL, (
-        f"mean acceptance length {tau_mine:.3f} vs vLLM's {tau_vllm:.3f} with the same head: the engine "
-        "feeds the head other hidden states, positions or tokens than vLLM does")
-    for j, (a, b) in enumerate(zip(mine["accepted_per_position"], theirs["num_accepted_tokens_per_pos"])):
-        assert abs(a - b) <= 0.03 * max(a, b) + 1, (
-            f"draft position {j + 1}: {a} accepted here, {b} in vLLM (mine {mine}, vLLM {theirs})")
+    k = EAGLE_SPEC["num_speculative_tokens"]
+    assert theirs["num_drafts"] > 100 and theirs["mean_acceptance_length"] > 1.2, \
+        f"vLLM barely drafted or accepted: {theirs}"
+    assert theirs["num_draft_tokens"] == k * theirs["num_drafts"], "vLLM proposed fewer than k drafts somewhere"
+    # The engine's scheduler trims drafts that would run past max_tokens; vLLM verifies all k
+    # and counts acceptances past the end too. So compare the acceptance rate at each draft
+    # position (accepted / sequences that had a draft there), and the mean acceptance length
+    # they imply, 1 + sum of the rates, rather than raw counts.
+    rate_mine = [a / d for a, d in zip(mine["accepted_per_position"], mine["drafts_per_position"])]
+    rate_vllm = [a / theirs["num_drafts"] for a in theirs["num_accepted_tokens_per_pos"]]
+    tau_mine, tau_vllm = 1 + sum(rate_mine), 1 + sum(rate_vllm)
+    assert abs(tau_mine - tau_vllm) <= EAGLE_LENGTH_TOL and all(
+        abs(a - b) <= 0.02 for a, b in zip(rate_mine, rate_vllm)), (
+        f"acceptance per draft position {[round(r, 3) for r in rate_mine]} (mean acceptance length "
+        f"{tau_mine:.3f}) vs vLLM's {[round(r, 3) for r in rate_vllm]} ({tau_vllm:.3f}) with the same head: "
+        f"the engine feeds the head other hidden states, positions or tokens than vLLM does "
+        f"(engine {mine}, vLLM {theirs})")

@@ -137,7 +137,7 @@ def evaluate_head(head, target, prompts: list[torch.Tensor], new_tokens: int, ma
     runs = torch.tensor(accepted_runs)
     per_pos = [float((runs >= j).float().mean() / max(1e-9, (runs >= j - 1).float().mean()))
                for j in range(1, max_k + 1)]
-    return dict(chains=len(accepted_runs), acceptance_per_position=[round(a, 4) for a in per_pos],
+    return dict(prompts=len(prompts), chains=len(accepted_runs), acceptance_per_position=[round(a, 4) for a in per_pos],
                 mean_acceptance_length={k: round(1 + float(runs.clamp(max=k).float().mean()), 4)
                                         for k in range(1, max_k + 1)})
 
@@ -164,13 +164,13 @@ and so does mini-vLLM.
 | data | the target's training split ({metrics["train_tokens"]:,} tokens of {metrics["python"]} standard-library files), random windows of {a["seq_len"]} + {a["ttt_steps"]} tokens |
 | objective | cross-entropy against the target's distribution one token further ahead, for {a["ttt_steps"]} unrolled draft steps (training-time test), weighted 0.8^(j-1) |
 | steps | {a["steps"]} AdamW steps of {a["batch_size"]} windows (peak lr {a["lr"]}, warm-up then cosine), seed {a["seed"]} |
-| wall time | {metrics["wall_minutes"]} min on {metrics["machine"]} ({a["threads"]} threads), bf16 matmuls under autocast |
+| wall time | {metrics["wall_minutes"]} min on {metrics["machine"]} ({a["threads"]} threads), bf16 matmuls under autocast{metrics.get("wall_note", "")} |
 | parameters | {metrics["parameters"]:,} |
 | weights | float32 `model.safetensors`, sha256 `{sha}` |
 
 ## Held-out acceptance (greedy)
 
-The target continues {a["eval_prompts"]} held-out prompts greedily for {a["eval_tokens"]} tokens; along its own text a
+The target continues {ho["prompts"]} held-out prompts (the first 64 tokens of each held-out file) greedily for {a["eval_tokens"]} tokens; along its own text a
 draft is accepted exactly when it equals the next token, so every position starts a chain
 ({ho["chains"]} chains). Acceptance at draft position j is conditional on the drafts before it.
 
