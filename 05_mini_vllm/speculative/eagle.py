@@ -28,67 +28,18 @@ stays lossless for sampled requests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from mini_vllm.attention.metadata import AttentionMetadata
-from mini_vllm.forward_context import set_forward_context
+from mini_vllm.speculative.eagle_base import EagleProposerBase, EagleStep
 
 
-@dataclass
-class EagleStep:
-    """What one target step hands the proposer (row i: the i-th scheduled request)."""
-    hidden: torch.Tensor          # [T, H] the target's final hidden states of the step
-    input_ids: torch.Tensor       # [T] the step's input ids
-    positions: np.ndarray         # [T] int64
-    slot_mapping: torch.Tensor    # [T] the step's slots
-    query_start_loc: np.ndarray   # [R + 1]
-    kept: list[int]               # per row: computed positions kept (scheduled minus rejected drafts)
-    next_token_ids: list[int]     # per row: the token after the last kept position
-    block_table: np.ndarray       # [R, max_blocks] the rows' block tables (-1 or stale past num_blocks)
-    num_blocks: list[int]         # per row: blocks allocated to the request
-    num_drafts: list[int]         # per row: drafts wanted (0: KV only)
-
-
-class EagleProposer:
-    def __init__(self, head, k: int, block_size: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                 num_pool_blocks: int, device) -> None:
-        self.head, self.k, self.bs = head, k, block_size
-        self.device = torch.device(device)
-        self.num_pool_blocks = num_pool_blocks
-        self.num_cache_blocks = kv_cache[0].shape[0]  # pool blocks + scratch blocks
-        self.scratch_per_row = -(-k // block_size) + 1
-        for layer in head.attention_layers():
-            layer.kv_cache = kv_cache
-
-    @staticmethod
-    def scratch_blocks_needed(max_num_seqs: int, k: int, block_size: int) -> int:
-        return max_num_seqs * (-(-k // block_size) + 1)
-
-    def _metadata(self, slots, tables: np.ndarray, q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-        cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu[1:])
-        md = AttentionMetadata(slot_mapping=slots if isinstance(slots, torch.Tensor) else torch.from_numpy(slots),
-                               block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
-                               cu_seqlens_q=torch.from_numpy(cu),
-                               seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                               max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                               query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens))
-        md.validate(self.num_cache_blocks, self.bs)
-        return md.to(self.device)
-
-    def _run(self, md, ids, pos, hidden) -> torch.Tensor:
-        with set_forward_context(md):
-            return self.head(ids, pos, hidden)
-
+class EagleProposer(EagleProposerBase):
     @torch.inference_mode()
     def propose(self, step: EagleStep) -> list[list[int]]:
         """Writes the head's KV for every kept position; returns each row's drafts."""
         qsl, kept = step.query_start_loc, np.asarray(step.kept, dtype=np.int64)
         starts = qsl[:-1].astype(np.int64)
-        rows_of = np.repeat(np.arange(len(kept)), kept)
         idx = np.arange(int(kept.sum()), dtype=np.int64) - np.repeat(np.cumsum(kept) - kept, kept) \
             + np.repeat(starts, kept)                               # flat rows of the kept positions
         last = np.cumsum(kept) - 1                                  # their last row, in pass-1 order
@@ -131,19 +82,4 @@ class EagleProposer:
         rows = torch.stack(drafts, dim=1).tolist()
         for w, r in enumerate(want):
             out[r] = rows[w][: int(n_w[w])]
-        return out
-
-    def _chain_tables(self, step: EagleStep, want: np.ndarray, pos: np.ndarray, k: int) -> np.ndarray:
-        """Block tables of the drafting rows, wide enough for the chain's last position;
-        block indices past a request's allocation point at its scratch blocks."""
-        width = int((pos.max() + k) // self.bs) + 1
-        out = np.full((len(want), width), -1, dtype=np.int64)
-        for w, r in enumerate(want):
-            n = min(step.num_blocks[r], width)
-            out[w, :n] = step.block_table[r, :n]
-            first_scratch = self.num_pool_blocks + w * self.scratch_per_row
-            extra = width - n
-            if extra > 0:  # only the chain's blocks are ever touched; at most scratch_per_row of them
-                need = int((pos[w] + k - 1) // self.bs) + 1 - n
-                out[w, n:n + max(0, need)] = first_scratch + np.arange(max(0, need))
         return out

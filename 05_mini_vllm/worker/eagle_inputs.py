@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mini_vllm.speculative.eagle import EagleStep
+from mini_vllm.speculative.eagle_base import EagleStep
 from mini_vllm.speculative.verifier import spec_eligible
 
 

@@ -38,7 +38,7 @@ from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.spec_decode import NgramProposer
-from mini_vllm.speculative.eagle import EagleProposer
+from mini_vllm.speculative.eagle_base import EagleProposerBase
 from mini_vllm.speculative.proposers import DraftModelProposer
 from mini_vllm.worker.eagle_inputs import propose_eagle
 from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
@@ -242,7 +242,7 @@ class ModelRunner:
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = prompt_logprobs_dict(self.model, self.requests, hidden, req_ids, md) or None
-        if isinstance(self.proposer, EagleProposer):  # reads this step's hidden states
+        if isinstance(self.proposer, EagleProposerBase):  # reads this step's hidden states
             mro.spec_token_ids = propose_eagle(self, req_ids, input_ids, positions, md, hidden, sampled)
         elif self.proposer is not None:
             drafts = self._propose_drafts(sampled)
