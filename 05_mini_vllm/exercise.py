@@ -17,6 +17,10 @@ Part 1, the runner (vLLM: `vllm/v1/worker/gpu_model_runner.py`):
 - `ModelRunner.execute_model`: the step, from SchedulerOutput to ModelRunnerOutput.
 Part 2, the sampler's filters (vLLM: `vllm/v1/sample/ops/topk_topp_sampler.py`):
 `apply_top_k_top_p`, `apply_min_p`.
+Part 3, EAGLE's proposer (vLLM: `vllm/v1/spec_decode/eagle.py`): `EagleProposer.propose`,
+the input shift and the k-step draft loop, run in real engines by `plug_eagle` (its
+drafts must equal a plain-PyTorch reference's, greedy tokens must not change, and
+sampling must stay lossless; `tests/test_ch5_eagle.py`).
 
 Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
 rows, condensing on removal; `add_request` also writes the request's sampling
@@ -26,8 +30,10 @@ parameters into the batch's sampling columns, which `_sample` reads through
 `plug_runner`. Your runner covers plain decoding; speculative decoding, KV
 connectors, tensor parallelism, prompt logprobs and structured outputs stay
 with the reference runner (`plug_runner` and `_sample` refuse them).
-Nothing here imports the modules that hold the answers (`model_runner.py`,
-`prepare_inputs.py`, `ops_topk_topp.py`).
+For Part 3 the head, its KV tensor and the helpers `propose` calls are given
+(`speculative/eagle_base.py`). Nothing here imports the modules that hold the
+answers (`model_runner.py`, `prepare_inputs.py`, `ops_topk_topp.py`,
+`speculative/eagle.py`).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.engine.core_client import InprocClient
+from mini_vllm.speculative.eagle_base import EagleProposerBase, EagleStep
 from mini_vllm.entrypoints.llm import LLM
 
 # ================================================================ Part 1: the runner
@@ -234,3 +241,43 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
            "compute_slot_mapping", "plug_runner"]
+
+
+# ================================================================ Part 3: EAGLE's proposer
+# Given: the head (`self.head`: `self.head(ids, positions, hidden)` inside a forward context,
+# `self.head.compute_logits(g)`), `self._metadata`, `self._run`, `self._chain_tables`,
+# `self.k`, `self.bs`, `self.device` (speculative/eagle_base.py) and `plug_eagle`.
+
+
+class EagleProposer(EagleProposerBase):
+    @torch.inference_mode()
+    def propose(self, step: EagleStep) -> list[list[int]]:
+        """Write the head's KV for the step's kept positions; return each row's drafts."""
+        raise NotImplementedError(
+            "EagleProposer.propose(step: EagleStep) -> R lists of ints (R = len(step.kept)). Row i owns flat rows "
+            "step.query_start_loc[i]... of the step; its first step.kept[i] positions were kept. Afterwards the "
+            "head's KV at each kept position p (its slot: step.slot_mapping of that row) must be what the head "
+            "computes from the token at p + 1 and the target's hidden state at p (step.hidden); after the last "
+            "kept position the token is step.next_token_ids[i]. Row i returns step.num_drafts[i] greedy drafts "
+            "(none when 0): draft 1 predicts the token after next_token_ids[i]; draft j + 1 is what the head "
+            "predicts once draft j is fed at the next position with the head's own output as the hidden state, "
+            "as vLLM's EAGLE proposer does. Use self._metadata(slots, block_tables, query_lens, seq_lens) for every "
+            "head call; positions past a row's step.num_blocks[i] allocated blocks need the scratch blocks of "
+            "self._chain_tables(step, rows, positions, k). A row's drafts must not depend on the other rows.")
+
+
+def plug_eagle(llm) -> None:
+    """Given: replace the EAGLE proposer of an `LLM` built with speculative_config method
+    "eagle" by this module's (same head, same KV), before it runs any request; the engine
+    core must run in this process (`multiprocess_mode=False`)."""
+    client = (llm.llm_engine if isinstance(llm, LLM) else llm).engine_core
+    if not isinstance(client, InprocClient):
+        raise ValueError("plug_eagle: the engine core runs in another process; build the engine with "
+                         "multiprocess_mode=False (or MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    core = client.engine_core
+    spec = core.config.speculative
+    if spec is None or spec.method != "eagle":
+        raise ValueError("plug_eagle: build the engine with speculative_config={'method': 'eagle', ...}")
+    if core.has_unfinished_requests():
+        raise ValueError("plug_eagle: the engine already runs requests; plug the proposer in first")
+    core.executor.collective_rpc("use_eagle_proposer", EagleProposer)

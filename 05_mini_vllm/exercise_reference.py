@@ -10,5 +10,15 @@ from mini_vllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 
-__all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
+# ---- EAGLE's proposer, plugged into a real engine ----
+from mini_vllm.speculative.eagle import EagleProposer
+from mini_vllm.entrypoints.llm import LLM as _LLM
+
+
+def plug_eagle(llm: _LLM) -> None:
+    """The reference's proposer is already in place: nothing to plug (the exercise's
+    `plug_eagle` swaps in the learner's `EagleProposer`)."""
+
+
+__all__ = ["EagleProposer", "ModelRunner", "plug_eagle", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
            "compute_slot_mapping"]

@@ -14,6 +14,8 @@ API = ["tests/test_ch5_engine_api.py"]
 ASYNC = "tests/test_ch5_async_scheduling.py"
 GRAPHS = "05_mini_vllm/worker/cudagraph_dispatcher.py"
 GRAPH_TESTS = ["tests/test_ch5_cudagraph_padding.py"]
+EAGLE = "05_mini_vllm/speculative/eagle.py"
+EAGLE_TESTS = ["tests/test_ch5_eagle.py::test_engine_drafts_are_the_reference_chain"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -190,5 +192,47 @@ MUTANTS: list[Mutant] = [
         new="self.slot_mapping[n:padded].fill_(0)",
         tests=GRAPH_TESTS,
         why="padded rows write their garbage K/V into slot 0, a real token's slot",
+    ),
+    # ---- EAGLE's proposer (speculative/eagle.py): the exercise's Part 3 ----
+    Mutant(
+        name="eagle_ids_not_shifted",
+        path=EAGLE,
+        old="torch.from_numpy(np.minimum(idx + 1, len(step.input_ids) - 1))",
+        new="torch.from_numpy(idx)",
+        tests=EAGLE_TESTS,
+        why="the head reads the token the target read at p, not the one at p + 1",
+    ),
+    Mutant(
+        name="eagle_hidden_of_the_wrong_position",
+        path=EAGLE,
+        old="step.hidden.index_select(0, idx_t))",
+        new="step.hidden.index_select(0, torch.clamp(idx_t - 1, min=0)))",
+        tests=EAGLE_TESTS,
+        why="the hidden states are shifted with the ids: position p reads the target's state at p - 1",
+    ),
+    Mutant(
+        name="eagle_kv_not_written",
+        path=EAGLE,
+        old="md = self._metadata(step.slot_mapping.index_select(0, idx_t), tables",
+        new="md = self._metadata(torch.full_like(idx_t, -1), tables",
+        tests=EAGLE_TESTS,
+        why="pass 1 attends but writes no KV: later drafts read stale or empty keys",
+    ),
+    Mutant(
+        name="eagle_positions_not_advanced",
+        path=EAGLE,
+        old="p = pos_w[live] + (j - 1)",
+        new="p = pos_w[live] + 1",
+        tests=EAGLE_TESTS,
+        why="every chain step after the second sits at the same position (rotary and slot)",
+    ),
+    Mutant(
+        name="eagle_target_hidden_fed_back",
+        path=EAGLE,
+        old="g = self._run(md, tok, torch.from_numpy(p).to(dev), g)",
+        new="g = self._run(md, tok, torch.from_numpy(p).to(dev), "
+            "step.hidden.index_select(0, torch.from_numpy(idx[last[want[live]]]).to(dev)))",
+        tests=EAGLE_TESTS,
+        why="the chain feeds the target's last hidden state again instead of the head's own output",
     ),
 ]

@@ -88,7 +88,8 @@ def tree_path(rel: str, dirs: dict[str, str]) -> str:
 
 
 def build_tree(dest: Path, repo: Path = REPO) -> dict[str, str]:
-    """Copy the package (as installed), tests/ and pyproject.toml into `dest`."""
+    """Copy the package (as installed), tests/, training/ (whose plain-PyTorch EAGLE head is
+    an oracle of tests/test_ch5_eagle.py) and pyproject.toml into `dest`."""
     dirs = package_dirs(repo)
     ignore = shutil.ignore_patterns("__pycache__", "*.ipynb", ".ipynb_checkpoints", "*.pyc")
     # Parents before children, so a nested mapping (mini_vllm.models) lands inside its parent.
@@ -96,6 +97,7 @@ def build_tree(dest: Path, repo: Path = REPO) -> dict[str, str]:
         if (repo / src).is_dir():
             shutil.copytree(repo / src, dest / pkg.replace(".", "/"), ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(repo / "tests", dest / "tests", ignore=ignore, dirs_exist_ok=True)
+    shutil.copytree(repo / "training", dest / "training", ignore=ignore, dirs_exist_ok=True)
     shutil.copy2(repo / "pyproject.toml", dest / "pyproject.toml")
     return dirs
 

@@ -64,6 +64,8 @@ for _name in ("_update_states", "_prepare_inputs", "execute_model"):
     setattr(ModelRunner, _name, getattr(_Reference, _name))
 ModelRunner.grammars = {}  # the reference's state for structured outputs (never used here)
 ModelRunner.async_drafts = None  # and for speculation under asynchronous scheduling (off here)
+from .speculative.eagle import EagleProposer as _ReferenceEagle
+EagleProposer.propose = _ReferenceEagle.propose
 """),
     "6": ("06_global_prefix_cache/exercise.py", """
 from .keys import block_keys

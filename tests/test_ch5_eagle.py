@@ -41,6 +41,14 @@ def eagle(k: int, head: str = EAGLE) -> dict:
     return {"method": "eagle", "model": head, "num_speculative_tokens": k}
 
 
+def eagle_llm(chapter, k: int, **kw):
+    """An engine drafting with the head, its core in this process, running the proposer under
+    test: the reference's, or under --impl=exercise the Chapter 5 exercise's (`plug_eagle`)."""
+    llm = make_llm(speculative_config=eagle(k), multiprocess_mode=False, **kw)
+    chapter("engine").plug_eagle(llm)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def random_head(tmp_path_factory) -> Path:
     """A head with random weights (large enough that every part of it matters)."""
@@ -138,10 +146,10 @@ def code_prompts() -> list[list[int]]:
     return [tok(t)["input_ids"] for t in texts]
 
 
-def test_engine_drafts_are_the_reference_chain(monkeypatch):
+def test_engine_drafts_are_the_reference_chain(monkeypatch, chapter):
     """Along the engine's own greedy output (chunked prefill: 16-token budget), each
     proposal equals the reference's drafts as far as the reference reads the same tokens."""
-    llm = make_llm(block_size=8, max_num_batched_tokens=16, speculative_config=eagle(4), multiprocess_mode=False)
+    llm = eagle_llm(chapter, 4, block_size=8, max_num_batched_tokens=16)
     seen = _record_drafts(llm, monkeypatch)
     outs = llm.generate([{"prompt_token_ids": p} for p in code_prompts()],
                         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -151,11 +159,11 @@ def test_engine_drafts_are_the_reference_chain(monkeypatch):
     assert_pool_full(llm)
 
 
-def test_a_prefix_hit_finds_the_heads_kv(monkeypatch):
+def test_a_prefix_hit_finds_the_heads_kv(monkeypatch, chapter):
     """A second request whose prompt is the first one's whole output hits its cached
     blocks; its drafts still equal the reference, which needs the head's KV of every
     cached position (written by the first request's steps, in the same blocks)."""
-    llm = make_llm(block_size=8, enable_prefix_caching=True, speculative_config=eagle(3), multiprocess_mode=False)
+    llm = eagle_llm(chapter, 3, block_size=8, enable_prefix_caching=True)
     seen = _record_drafts(llm, monkeypatch)
     first = llm.generate([{"prompt_token_ids": code_prompts()[0]}],
                          SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)[0]
@@ -169,13 +177,13 @@ def test_a_prefix_hit_finds_the_heads_kv(monkeypatch):
     assert checked >= 10 and accepted >= 3, f"too few drafts compared ({checked}, {accepted} matching)"
 
 
-def test_n_and_abort_leave_other_requests_exact():
+def test_n_and_abort_leave_other_requests_exact(chapter):
     """n = 2 fans out in the front end (two independent requests, both drafting; top-1
     sampling, since n > 1 at temperature 0 is refused as in vLLM), and an abort mid-flight
     frees the request without disturbing the one beside it."""
     prompts = code_prompts()
     base = run_greedy(make_llm(block_size=8), prompts[:2], 30)
-    llm = make_llm(block_size=8, speculative_config=eagle(3))
+    llm = eagle_llm(chapter, 3, block_size=8)
     outs = llm.generate([{"prompt_token_ids": prompts[0]}],
                         SamplingParams(n=2, max_tokens=30, temperature=1.0, top_k=1, ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in outs[0].outputs] == [base[0]] * 2, "n = 2 with EAGLE changed greedy tokens"
@@ -209,13 +217,13 @@ def _eagle_draft_of(prompt: list[int]):
     return draft
 
 
-def test_sampling_with_eagle_is_lossless_and_the_test_has_power(monkeypatch):
+def test_sampling_with_eagle_is_lossless_and_the_test_has_power(monkeypatch, chapter):
     from test_ch5_spec_decode import _first_tokens, _homogeneous, agreement_z
 
     prompt = code_prompts()[1]
     n = 400
     base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
-    llm = make_llm(max_num_seqs=256, speculative_config=eagle(1))
+    llm = eagle_llm(chapter, 1, max_num_seqs=256)
     with_spec = _first_tokens(llm, prompt, n, seed=2)
     stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
@@ -228,7 +236,7 @@ def test_sampling_with_eagle_is_lossless_and_the_test_has_power(monkeypatch):
     from mini_vllm.spec_decode.lossy import accept_always
 
     monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
-    lossy = _first_tokens(make_llm(max_num_seqs=256, speculative_config=eagle(1)), prompt, n, seed=2)
+    lossy = _first_tokens(eagle_llm(chapter, 1, max_num_seqs=256), prompt, n, seed=2)
     z_lossy = agreement_z(lossy, prompt, draft)
     assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
         f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"

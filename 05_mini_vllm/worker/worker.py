@@ -218,6 +218,14 @@ class Worker:
         self.model_runner = runner_cls(self.model, self.model_config, self.cache_engine, cfg.block_size,
                                        cfg.max_num_seqs, self.max_model_len, self.device)
 
+    def use_eagle_proposer(self, proposer_cls) -> None:
+        """Rebuild the EAGLE proposer as `proposer_cls` (an `EagleProposerBase`) on the same head
+        and KV tensor: how the Chapter 5 exercise plugs its own `propose` into a real engine
+        (`mini_vllm.exercise.plug_eagle`), before any request."""
+        old = self.model_runner.proposer
+        self.model_runner.proposer = proposer_cls(old.head, old.k, old.bs, self.cache_engine.draft_cache[0],
+                                                  old.num_pool_blocks, self.device)
+
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
 
