@@ -9,8 +9,8 @@ and n-gram lookup, in both engines, on held-out code (CPU, greedy, fp32).
    without speculation and with EAGLE (k = --k), the draft model (k = 3) and n-gram lookup
    (k = 3, prompt_lookup 2..4), in the engine and in vLLM. Each configuration's tokens are
    compared with the run without speculation before its time counts; vLLM's with its own.
-   Best of --runs runs. vLLM refuses n-gram speculation on a CPU (its n-gram proposer is
-   CUDA-only in 0.32), so that cell is empty.
+   Best of --runs runs. `--methods` picks the rows (the run without speculation is always
+   there: the speed-ups divide by it).
 
 Equal settings for both engines: block size 32, 64 MiB of KV cache, max_num_seqs 32,
 prefix caching off (each run repeats the same prompts), the same pinned cores. vLLM runs
@@ -18,6 +18,7 @@ eagerly in its own process per configuration (one start-up each). The first line
 is the machine: every ratio holds for that CPU only.
 
 Run: .venv/bin/python benchmarks/bench_spec_vs_vllm.py [--threads 1,2] [--runs 2] [--k 3]
+     [--methods eagle,draft_model,ngram] [--skip-acceptance] [--skip-speed]
 """
 from __future__ import annotations
 
@@ -102,12 +103,12 @@ def acceptance_table(threads: int) -> None:
         print(f"{k:>3}{mine:>12}{theirs:>12}  {pos_m} | {pos_v}", flush=True)
 
 
-def speed_table(threads: int, runs: int, k: int) -> None:
+def speed_table(threads: int, runs: int, k: int, chosen: list[str]) -> None:
     prompts = held_out_prompts(32)
     print(f"\nOutput tok/s, {SPEED_TOKENS} tokens per request, best of {runs} ({threads} thread"
           f"{'s' * (threads > 1)}); speed-up over the same engine without speculation in brackets")
-    methods = [(None, 0), ("eagle", k), ("draft_model", 3), ("ngram", 3)]
-    print(f"{'batch':>6}{'method':>14}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
+    methods = [(None, 0)] + [(m, k if m == "eagle" else 3) for m in ("eagle", "draft_model", "ngram") if m in chosen]
+    print(f"{'batch':>6}{'method':>18}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
     for batch in (1, 8, 32):
         ps = prompts[:batch]
         useful = batch * SPEED_TOKENS
@@ -120,7 +121,7 @@ def speed_table(threads: int, runs: int, k: int) -> None:
                 raise SystemExit(f"engine {method} batch {batch}: tokens differ from no speculation")
             cell_m = f"{useful / t:8.1f} ({base['mini'][0] / t:.2f}x)"
             cell_v, ratio = "-", ""
-            if vllm_python() is not None and method != "ngram":
+            if vllm_python() is not None:
                 tv, toks_v, _ = vllm_run(ps, SPEED_TOKENS, spec_config(method, kk), runs, threads)
                 if method is None:
                     base["vllm"] = (tv, toks_v)
@@ -129,7 +130,7 @@ def speed_table(threads: int, runs: int, k: int) -> None:
                 cell_v = f"{useful / tv:8.1f} ({base['vllm'][0] / tv:.2f}x)"
                 ratio = f"{tv / t:.2f}"
             name = "none" if method is None else f"{method} k={kk}"
-            print(f"{batch:>6}{name:>14}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
+            print(f"{batch:>6}{name:>18}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
 
 
 def main() -> None:
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="EAGLE's k in the speed table")
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--methods", default="eagle,draft_model,ngram", help="speed-table rows besides none")
     args = ap.parse_args()
     threads = [int(x) for x in args.threads.split(",")]
     print(machine_line(threads))
@@ -149,7 +151,7 @@ def main() -> None:
         if not args.skip_acceptance:
             acceptance_table(n)
         if not args.skip_speed:
-            speed_table(n, args.runs, args.k)
+            speed_table(n, args.runs, args.k, args.methods.split(","))
 
 
 if __name__ == "__main__":
