@@ -218,25 +218,8 @@ def _eagle_draft_of(prompt: list[int]):
 
 
 def test_sampling_with_eagle_is_lossless_and_the_test_has_power(monkeypatch, chapter):
-    from test_ch5_spec_decode import _first_tokens, _homogeneous, agreement_z
+    from test_ch5_spec_decode import assert_lossless_with_power
 
     prompt = code_prompts()[1]
-    n = 400
-    base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
-    llm = eagle_llm(chapter, 1, max_num_seqs=256)
-    with_spec = _first_tokens(llm, prompt, n, seed=2)
-    stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
-    assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
-    draft = _eagle_draft_of(prompt)
-    z_base, z_spec = agreement_z(base, prompt, draft), agreement_z(with_spec, prompt, draft)
-    assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
-    assert abs(z_spec) < 4.5, f"with EAGLE token 2 agrees with the head's draft too often or too rarely (z={z_spec:.2f})"
-    assert _homogeneous(base, with_spec, 1e-3), "token 2 is distributed differently with EAGLE"
-    from mini_vllm.spec_decode import RejectionSampler
-    from mini_vllm.spec_decode.lossy import accept_always
-
-    monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
-    lossy = _first_tokens(eagle_llm(chapter, 1, max_num_seqs=256), prompt, n, seed=2)
-    z_lossy = agreement_z(lossy, prompt, draft)
-    assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
-        f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"
+    assert_lossless_with_power(lambda: eagle_llm(chapter, 1, max_num_seqs=256), prompt, _eagle_draft_of(prompt),
+                               monkeypatch, "EAGLE")

@@ -156,24 +156,31 @@ def test_sampling_with_speculation_is_lossless_and_the_test_has_power(monkeypatc
     # Unrelated tokens: the target is uncertain there, so drafts are often rejected
     # and a sampler that wrongly accepts them shifts the distribution visibly.
     prompt = list(range(100, 140))
-    n = 400
+    assert_lossless_with_power(lambda: make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1)),
+                               prompt, _draft_model_draft_of(prompt), monkeypatch, "the draft model")
+
+
+def assert_lossless_with_power(make_spec_llm, prompt: list[int], draft_of, monkeypatch, who: str,
+                               n: int = 400) -> None:
+    """Token 2 sampled with speculation (engines from `make_spec_llm`) is distributed as without
+    it: the agreement z-test against the proposer's draft `draft_of(t1)` and a chi-square
+    against no speculation; then both checks must fail for a sampler that accepts every draft."""
     base = _first_tokens(make_llm(max_num_seqs=256), prompt, n, seed=1)
-    llm = make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1))
+    llm = make_spec_llm()
     with_spec = _first_tokens(llm, prompt, n, seed=2)
     stats = llm.llm_engine.engine_core.call_utility("spec_decoding_stats")
     assert 0 < stats["num_accepted"] < stats["num_drafts"], "need both acceptances and rejections"
-    draft_of = _draft_model_draft_of(prompt)
     z_base, z_spec = agreement_z(base, prompt, draft_of), agreement_z(with_spec, prompt, draft_of)
     assert abs(z_base) < 4.5, f"the oracle statistic is miscalibrated even without speculation (z={z_base:.2f})"
-    assert abs(z_spec) < 4.5, f"with speculation token 2 agrees with the draft too often or too rarely (z={z_spec:.2f})"
-    assert _homogeneous(base, with_spec, 1e-3), "token 2 is distributed differently with speculation"
+    assert abs(z_spec) < 4.5, (f"with {who} token 2 agrees with the draft too often or too rarely "
+                               f"(z={z_spec:.2f})")
+    assert _homogeneous(base, with_spec, 1e-3), f"token 2 is distributed differently with {who}"
     # Power: a sampler that accepts every draft must fail the same checks.
     from mini_vllm.spec_decode import RejectionSampler
     from mini_vllm.spec_decode.lossy import accept_always
 
     monkeypatch.setattr(RejectionSampler, "batched_sampler", staticmethod(accept_always))
-    lossy = _first_tokens(make_llm(max_num_seqs=256, speculative_config=spec("draft_model", 1)),
-                          prompt, n, seed=2)
+    lossy = _first_tokens(make_spec_llm(), prompt, n, seed=2)
     z_lossy = agreement_z(lossy, prompt, draft_of)
     assert z_lossy > 4.5 and not _homogeneous(base, lossy, 1e-3), \
         f"the lossless checks cannot tell a sampler that accepts every draft (z={z_lossy:.2f})"
