@@ -137,10 +137,12 @@ class EngineCore:
         if len(q) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             t0 = time.monotonic()
             so = self._schedule()
-            if so.total_num_scheduled_tokens > 0 or not q:
-                q.append((self.executor.execute_model_async(so), so, t0, time.monotonic()))
-                if len(q) < self.batch_queue_size and so.total_num_scheduled_tokens > 0:
-                    return None
+            # Submitted even when empty: its finished_req_ids are the runner's only
+            # word to free those rows, so dropping it leaves stale rows behind that
+            # overflow the persistent batch once max_num_seqs new requests arrive.
+            q.append((self.executor.execute_model_async(so), so, t0, time.monotonic()))
+            if len(q) < self.batch_queue_size and so.total_num_scheduled_tokens > 0:
+                return None
         if not q:
             return None
         fut, so, t0, t1 = q.popleft()
