@@ -67,9 +67,19 @@ GPU_PY         ?= python3
 GPU_CHECK_OUT  ?= out/gpu-check
 GPU_CHECK_ARGS ?=
 
-.PHONY: gpu-check
+.PHONY: gpu-check gpu-wheels
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# Wheels of the engine's runtime modules for a GPU machine that cannot download
+# (CPython 3.12, x86-64 Linux; 8 MB): gpu-check installs them there when missing.
+GPU_WHEELS_PY  ?= 3.12
+GPU_WHEEL_PINS ?= pyzmq==27.3.0 msgspec==0.22.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
+                  pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEELS_PY) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  -d .whl $(GPU_WHEEL_PINS)
 
 # Retrains the course's tiny target/draft models (about 2 minutes on one GPU; many hours on 2 CPU cores).
 models: $(STAMP)

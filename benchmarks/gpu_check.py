@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="fit the full plan into this many seconds (a short device lease): one HF batch per size, "
                          "the pytest subset last with the time left; the report is rewritten after every section")
+    ap.add_argument("--wheels", type=Path, default=Path(__file__).resolve().parents[1] / ".whl",
+                    help="wheels of the engine's runtime modules (pyzmq, msgspec, xgrammar, pydantic) for a "
+                         "machine that cannot download: `make gpu-wheels` fills it; installed into a temporary "
+                         "folder only when a module is missing")
     args = ap.parse_args(argv)
     if args.device == "cpu" and not args.small:
         ap.error("--device cpu needs --small: the full plan (a 0.6B model, 256 long requests) takes hours on a CPU")
@@ -114,6 +118,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("MINI_VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     environment.use_source_tree()
+    installed = environment.install_wheels(args.wheels)
+    missing = environment.missing_modules()
+    if missing:
+        print(f"gpu-check: the engine imports {', '.join(missing)}, which this Python lacks; on a machine that "
+              f"cannot download, run `make gpu-wheels` where pip works and carry {args.wheels} along",
+              file=sys.stderr)
+        return 2
     versions = environment.installed_versions()
     too_old = environment.check_versions(versions)
     if too_old:
@@ -135,7 +146,8 @@ def main(argv=None) -> int:
     info = environment.device_info(args.device)
     report = {"meta": {"device": args.device, "small": args.small, "versions": versions, "device_info": info,
                        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "mini_vllm_from": str(environment.REPO), "plan": plan.__dict__},
+                       "mini_vllm_from": str(environment.REPO), "plan": plan.__dict__,
+                       "wheels_installed": installed},
               "sections": {}}
     with tempfile.TemporaryDirectory(prefix="gpu_check_model_") as tmp:
         model_dir = Path(tmp)

@@ -181,3 +181,18 @@ def test_child_processes_import_the_source_tree(monkeypatch):
     found, path = out.stdout.split()
     assert found == "True", "a child interpreter started without the source-tree finder"
     assert Path(path).parent == REPO / "05_mini_vllm", f"the child imported mini_vllm from {path}, not the checkout"
+
+
+def test_runtime_modules_are_checked_and_carried_wheels_only_installed_when_needed(tmp_path, monkeypatch):
+    """A GPU image without pyzmq failed every engine section with ModuleNotFoundError;
+    the check now names what is missing up front, and installs carried wheels
+    (`make gpu-wheels`) only when something is missing."""
+    assert environment.missing_modules(("json", "no_such_module_for_gpu_check")) == ["no_such_module_for_gpu_check"], \
+        "missing_modules must list exactly the modules that cannot be imported"
+    assert environment.missing_modules() == [], \
+        f"this environment lacks the engine's runtime modules {environment.missing_modules()}"
+    (tmp_path / "x-0.1-py3-none-any.whl").write_bytes(b"not a wheel")  # pip would fail on it if it were used
+    path_before = list(sys.path)
+    assert environment.install_wheels(tmp_path) == [], "nothing is missing here, so no wheel may be installed"
+    assert environment.install_wheels(tmp_path / "absent") == []
+    assert sys.path == path_before, "install_wheels changed sys.path although it installed nothing"

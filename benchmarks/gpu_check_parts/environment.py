@@ -73,6 +73,34 @@ def _children_use_source_tree() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 
+# Imported by the engine (its process boundary, structured outputs and the
+# OpenAI server's models), but not part of a bare PyTorch image.
+RUNTIME_MODULES = ("zmq", "msgspec", "xgrammar", "pydantic")
+
+
+def missing_modules(names: tuple[str, ...] = RUNTIME_MODULES) -> list[str]:
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def install_wheels(folder: Path) -> list[str]:
+    """Install the wheels in `folder` (`make gpu-wheels` fills it) into a temporary
+    directory, without an index or dependencies, and put it first on this
+    process's and its children's path. Returns the wheels installed; none when
+    every runtime module is already importable or the folder has none."""
+    import subprocess
+
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    if not wheels or not missing_modules():
+        return []
+    target = Path(tempfile.mkdtemp(prefix="mini_vllm_wheels_"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                    str(target), *map(str, wheels)], check=True)
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return [w.name for w in wheels]
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """'2.11.0+cu128' -> (2, 11, 0); '3.6.0rc1' -> (3, 6, 0)."""
     nums = []

@@ -48,7 +48,9 @@ def markdown(r: dict) -> str:
     m, s = r["meta"], r["sections"]
     lines = [f"# mini-vLLM GPU check: {m['device_info'].get('name')} ({m['device']}{', --small' if m['small'] else ''})",
              "", f"Started {m['started']}, {m['seconds']:.0f} s. Versions: "
-             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".", ""]
+             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + "."
+             + (f" Carried wheels installed: {', '.join(m['wheels_installed'])}." if m.get("wheels_installed") else ""),
+             ""]
     if m["device"] != "cuda":
         lines += ["**CPU smoke run: the numbers below show that the script works, not how fast anything is.**", ""]
     lines += ["## Verdict", "", "| check | ok |", "|---|---|"]
