@@ -32,7 +32,7 @@ functions check shapes and contiguity, and raise ValueError naming the argument)
 
 Threads: as many as torch uses, the rows split evenly between them (a prange;
 `use_torch_threads` sets the count before each call). The team is torch's own
-(see "Threads" in cpu_paged_attention.py), already awake from the op before,
+(see "Threads" in cpu_runtime.py), already awake from the op before,
 and the split costs little: on one thread a call takes about 2 us more than
 a plain loop's; on two threads a 128-token SiLU-and-mul takes 19 instead of
 35 us, a 2,048-token one 0.33 instead of 0.93 ms. One thread per op, as these
@@ -44,9 +44,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# The kernel module first: it sizes numba's thread pool, which must happen before numba is imported.
-from .cpu_paged_attention import _FASTMATH, _exp, use_torch_threads
-from numba import njit, prange  # noqa: E402
+from numba import njit, prange
+
+from .cpu_paged_attention import _FASTMATH, _exp
+from .cpu_runtime import use_torch_threads
 
 
 @njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")

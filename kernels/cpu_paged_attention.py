@@ -44,16 +44,7 @@ per step
   element read serves `group` multiply-adds), and the blocks of a sequence
   lie at random places in the cache, where the hardware prefetcher cannot
   follow, so the loops prefetch the same slots one block ahead (`_prefetch`).
-  On 128 decodes of 16-768 tokens (the engine's shape, fp32) this runs at
-  the memory-traffic floor of `benchmarks/bench_engine_attention.py`, about
-  twice as fast as the tiled path. That floor is a copy's bandwidth (13.9
-  GB/s on the 2-core machine); reading alone is faster (about 20 GB/s on one
-  core, 35 on two), and with the K/V already in the L3 cache these loops
-  take about 56 ns per key for 4 query heads of 64 dims (168 cycles, where
-  the multiply-adds need about 40): a horizontal sum per dot product and
-  one prefetch per cache line cost as much as the arithmetic. Tried and
-  measured slower: both query rows of a KV head in one loop, four keys per
-  iteration instead of two, prefetching two blocks ahead, or one line per row.
+  Measurements and the variants tried: `kernels/NOTES.md`.
 
 Invariants:
 - only positions < seq_len are read (or prefetched): an item's last key is
@@ -76,25 +67,9 @@ fp32 and cast to the query's dtype by torch (round to nearest even).
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
-Threads: as many as torch uses (`torch.set_num_threads`, OMP_NUM_THREADS), so
-one setting governs both. numba runs a parallel loop on an OpenMP thread team.
-torch is imported first (above), and it loads its own libgomp into the
-process's global symbol scope, so numba's OpenMP layer binds to that copy:
-torch's ops, oneDNN's linears and these kernels share one team, whose idle
-threads spin for a moment between calls, so each call starts without waking
-a thread. Where numba's pool was started before torch was ever imported, it
-binds the system's libgomp instead, a second team on the same cores; an idle
-libgomp thread spins (by default for millions of cycles) before it sleeps,
-and a spinning team holds the cores the other team's threads need. That
-team is therefore started passive (`_passive_numba_team`): its threads sleep
-as soon as a call ends.
-BLAS is held to one thread while the kernel runs (`_single_threaded_blas`):
-numba's threads are the parallelism, and an OpenBLAS that split each
-product again would put 2 x 2 threads on 2 cores.
-
-Per call: about 25 us of fixed cost (planning, compiled: `_plan`; numba's
-argument unboxing; scratch), paid per layer and step; 50 us before the
-planner was compiled and BLAS left alone for batches that do not call it.
+Threads and BLAS: `cpu_runtime.py` (numba's pool sized to every CPU, started
+passive on the first call, as many threads per call as torch uses; BLAS held
+to one thread while the tiled path calls it).
 
 One file on purpose: numba's disk cache checks only the timestamp of the
 file that defines a cached function, not of the files its callees come
@@ -103,86 +78,22 @@ code after an edit to a callee (the mutants in `mutants/ch1.py` would
 survive). `kernels/cpu_layer_ops.py` inlines `_exp` from here: after editing
 `_exp`, delete `kernels/__pycache__` (or touch cpu_layer_ops.py).
 
-Compile: once per cache width (float32 for fp32, uint16 for bf16 and fp16)
-on first use, about 10 to 11 s of CPU each (the decode path doubled it; the
-BLAS bindings add about 1 s), then loaded from numba's on-disk cache in
-under half a second (`cache=True`: `__pycache__` beside this file, or
-NUMBA_CACHE_DIR where that is read-only; `benchmarks/bench_engine_attention.py`
-prints both).
+Compile times and the on-disk cache: `kernels/NOTES.md`.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import tempfile
-import threading
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm_binding, ir as llvm_ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
+from .cpu_runtime import single_threaded_blas, use_torch_threads
 from .paged_checks import check_cu_seqlens_q, check_paged_attention_args, check_query
 from .validation import check_kv_cache, check_num_heads
-
-
-def _writable_cache_dir() -> None:
-    """numba caches beside the source; where that is read-only (an installed
-    package) and no NUMBA_CACHE_DIR is set, use a per-user temp folder rather
-    than fail at import."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if "NUMBA_CACHE_DIR" not in os.environ and not os.access(here, os.W_OK):
-        os.environ["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"mini_vllm_numba_{os.getuid()}")
-
-
-def _thread_pool_size() -> None:
-    """numba sizes its thread pool once, at import, from the CPUs this process
-    may use at that moment. A process that is pinned to one core when the
-    kernel is first imported and widened later (a benchmark's 1-thread phase,
-    then its 2-thread phase) would keep a 1-thread pool for good. So the pool
-    gets every CPU of the machine; each call still uses only as many threads
-    as torch does. Only before numba is imported: numba reads the size then,
-    checks it against the environment again on later compiles, and refuses a
-    size that changed after its pool started (a process that imported numba
-    first keeps the pool of the CPUs it had then)."""
-    if "NUMBA_NUM_THREADS" not in os.environ and "numba.core.config" not in sys.modules:
-        os.environ["NUMBA_NUM_THREADS"] = str(os.cpu_count() or 1)
-
-
-def _passive_numba_team() -> None:
-    """Start numba's thread pool now, with its OpenMP runtime told to put idle
-    threads to sleep at once (see "Threads" above). libgomp reads
-    OMP_WAIT_POLICY once, when it is loaded: torch's copy was loaded with torch
-    (imported above) and is not affected; the variable is removed again, so
-    child processes (the multiprocess executor's workers) do not inherit it. A
-    policy the user set is left alone."""
-    ours = "OMP_WAIT_POLICY" not in os.environ
-    if ours:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    torch_threads = torch.get_num_threads()
-    try:
-        numba_parallel._launch_threads()
-    finally:
-        if ours:
-            del os.environ["OMP_WAIT_POLICY"]
-        # Where numba's OpenMP layer is torch's libgomp (see "Threads"), starting its pool
-        # sets this thread's OpenMP thread count to the pool's size (every core): a process
-        # started with OMP_NUM_THREADS=1 would run every later torch op on all cores.
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)
-
-
-_writable_cache_dir()
-_thread_pool_size()
-
-import numba  # noqa: E402  (after the cache dir and pool size are settled: numba reads them at import)
-import scipy.linalg.cython_blas  # noqa: E402, F401  (the BLAS numba's np.dot calls: loaded before we limit it)
-from llvmlite import binding as llvm_binding, ir as llvm_ir  # noqa: E402
-from numba import njit, prange, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
-from numba.np.ufunc import parallel as numba_parallel  # noqa: E402
-
-_passive_numba_team()
 
 # At most this many threads per kernel call (also at most torch's count); None: no cap.
 # Tests set it to check that a split between threads changes no bit.
@@ -607,59 +518,6 @@ def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_
             it = _take(counter)
 
 
-_blas_libraries = None  # threadpoolctl's handles on the process's BLAS libraries, found on first use
-
-
-@contextlib.contextmanager
-def _single_threaded_blas():
-    """BLAS held to one thread inside the block, then set back. numba's np.dot
-    calls scipy's OpenBLAS from inside the prange threads, and OpenBLAS splits
-    any product above 64 x 64 x 64 multiply-adds over threads of its own, as
-    many as there are cores unless OPENBLAS_NUM_THREADS / OMP_NUM_THREADS say
-    otherwise: 2 numba threads x 2 BLAS threads on 2 cores. Measured on one
-    core with 2 BLAS threads: a 64 x 64 x 128 product took 15.6 ms instead of
-    12.8 us, a 512-token prefill 11.8 s instead of 20 ms (the threads spin,
-    waiting for each other). threadpoolctl (installed with scikit-learn, which
-    lm-eval needs) finds every loaded BLAS whatever its build; without it BLAS
-    is left as configured. Costs 2 us a call (11 us when it has to change and
-    restore a thread count), against the call's fixed 50 us."""
-    global _blas_libraries
-    if _blas_libraries is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _blas_libraries = ThreadpoolController().select(user_api="blas").lib_controllers
-        except ImportError:
-            _blas_libraries = []
-    changed = []
-    for lib in _blas_libraries:
-        threads = lib.get_num_threads()
-        if threads is not None and threads > 1:
-            lib.set_num_threads(1)
-            changed.append((lib, threads))
-    try:
-        yield
-    finally:
-        for lib, threads in changed:
-            lib.set_num_threads(threads)
-
-
-_numba_threads = threading.local()  # the count use_torch_threads last gave numba, per calling thread
-
-
-def use_torch_threads(cap: int | None = None) -> int:
-    """Set numba's thread count for this thread's next parallel calls to torch's
-    (at most numba's pool, and at most `cap`), and return it. numba's setter
-    is called only when the count changes (numba keeps it per calling thread,
-    and so does this): it costs about 1 us, against the 4 us a small layer op
-    takes, and the engine makes about 40 compiled calls per step."""
-    torch_threads = torch.get_num_threads()
-    nthreads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS, cap or torch_threads))
-    if getattr(_numba_threads, "n", None) != nthreads:
-        numba.set_num_threads(nthreads)
-        _numba_threads.n = nthreads
-    return nthreads
-
-
 def _cache_bits(cache: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of the cache: float32 as it is, bf16 and fp16 as
     their raw 16 bits (uint16; numpy has no bf16)."""
@@ -725,7 +583,7 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     counter = np.zeros(1, np.int64)  # the next item to hand out (_take)
     # Only the tiled path calls BLAS: a batch of decode items skips holding it to one thread.
     no_blas = num_tokens == seq_lens.shape[0] and decode_heads > 0
-    with contextlib.nullcontext() if no_blas else _single_threaded_blas():
+    with contextlib.nullcontext() if no_blas else single_threaded_blas():
         _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
                        _cache_bits(value_cache), out.numpy(), tables, cu, seq_lens,
                        item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),

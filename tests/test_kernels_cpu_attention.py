@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import numba  # after torch, as the engine imports them
 from hypothesis import given, strategies as st
 
 from mini_vllm import paged_attention as ref
@@ -254,7 +255,7 @@ def test_plan_cache_is_built_once_per_batch_and_changes_nothing(monkeypatch):
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
     with torch_threads(2):
         assert torch.equal(cpa.run_varlen(*args, plan_cache=cache), plain), "2 threads with a cached plan"
-    expected = 2 if cpa.numba.config.NUMBA_NUM_THREADS >= 2 else 1  # a new thread count, a new plan
+    expected = 2 if numba.config.NUMBA_NUM_THREADS >= 2 else 1  # a new thread count, a new plan
     assert len(calls) == expected, "a plan made for one thread count was reused for another (it splits work per thread)"
 
 
@@ -333,17 +334,25 @@ def test_a_kernel_imported_on_one_core_uses_two_threads_later():
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to pin to one of them")
-@pytest.mark.parametrize("first,wide", [("numba", 1), ("mini_vllm.kernels.cpu_layer_ops", 2)])
-def test_numba_imported_before_the_kernel_on_one_core(first, wide):
-    """If numba has read its configuration (a pool of 1 on one core) before
-    the kernel module widens the pool, numba re-checks its configuration on a
-    later compile and refuses the changed size: the first parallel layer op (a
-    pinned server's first request) raised instead of running, when
-    cpu_layer_ops imported numba before the kernel module. With numba
-    imported first by the user the pool keeps its size (and still runs); with
-    cpu_layer_ops first it must get every CPU."""
+@pytest.mark.parametrize("first", ["numba", "mini_vllm.kernels.cpu_layer_ops"])
+def test_numba_imported_before_the_kernel_on_one_core(first):
+    """numba read its configuration (a pool of 1 on one core) before the
+    kernel modules size the pool. When the size went through the environment,
+    numba re-read it on a later compile and refused the changed size: the first
+    parallel layer op (a pinned server's first request) raised instead of
+    running. Set on numba's config before the pool starts, it must hold, and
+    the pool must get every CPU, whoever imported numba first."""
     seen = run_fresh(["imported-on-one-core", first], "a parallel op failed after numba was imported on one core")
-    assert int(seen[-1]) >= wide, "numba's pool kept the size of the affinity it was imported under"
+    assert int(seen[-1]) >= 2, "numba's pool kept the size of the affinity it was imported under"
+
+
+def test_importing_the_kernels_changes_no_environment_and_starts_no_thread():
+    """Importing a kernel module used to set NUMBA_NUM_THREADS (inherited by
+    every child process) and start numba's thread pool; now the settings go on
+    numba's config and the pool starts on the first kernel call."""
+    seen = run_fresh(["import-side-effects"], "importing the kernel modules failed in a fresh process")
+    assert seen[0] == "env-changed:none", f"importing the kernels changed the environment: {seen[0]}"
+    assert seen[1] == "pool-started:False", "importing the kernels started numba's thread pool"
 
 
 @st.composite

@@ -6,6 +6,8 @@ Every case calls a small paged-attention decode (`tiny_decode`) and prints the
 thread counts it observed, as words on one line.
 
 argv: CASE [ARG]
+  import-side-effects    imports the CPU kernel modules: prints the environment variables that changed
+                         and whether numba's thread pool started
   torch-threads-kept     torch set to 1 thread, then the kernel: prints torch's count
   omp-threads-kept       no set_num_threads (OMP_NUM_THREADS from the environment), a layer op,
                          then the kernel: prints torch's count after import, op and kernel
@@ -62,7 +64,7 @@ def widened_after_import() -> list:
     torch.set_num_threads(2)
     seen = []
     real = numba.set_num_threads
-    cpa.numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]  # record what the kernel asks for
+    numba.set_num_threads = lambda n: (seen.append(n), real(n))[1]  # record what the kernel asks for
     cpa.KERNEL_THREADS = 2
     tiny_decode(torch, cpa)
     return [seen[-1]]
@@ -84,7 +86,19 @@ def imported_on_one_core(first: str) -> list:
     return [numba.config.NUMBA_NUM_THREADS]
 
 
-CASES = {"torch-threads-kept": torch_threads_kept, "omp-threads-kept": omp_threads_kept,
+def import_side_effects() -> list:
+    import torch  # noqa: F401  (as the engine does: torch before the kernels)
+    import mini_vllm.kernels  # noqa: F401  (the package picks Triton's interpreter without CUDA, by design)
+
+    before = dict(os.environ)
+    from mini_vllm.kernels import cpu_layer_ops, cpu_paged_attention  # noqa: F401
+    from numba.np.ufunc import parallel
+
+    changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+    return ["env-changed:" + (",".join(changed) or "none"), f"pool-started:{parallel._is_initialized}"]
+
+
+CASES = {"import-side-effects": import_side_effects, "torch-threads-kept": torch_threads_kept, "omp-threads-kept": omp_threads_kept,
          "widened-after-import": widened_after_import, "imported-on-one-core": imported_on_one_core}
 
 if __name__ == "__main__":
