@@ -11,13 +11,7 @@ qkv 512 wide, vocabulary 6,144), fp32, for a 2,048-token prefill step and a
 timed (best of REPEATS, the two versions alternating so background load hits
 both), after one untimed pass over everything. Printed: milliseconds and torch / fused (or F.linear / oneDNN).
 
-`--small-products`: F.linear against the packed matmul for each weight shape
-and row count from 1 to 64 (tiny-py-target's layers in fp32, and 1024-wide
-ones), with the path `cpu_ops.small_fp32_product` picks and whether it is the
-faster one (within 10%): the measurement behind that rule, to rerun on
-another CPU.
-
-Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2] [--small-products]
+Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2]
 """
 from __future__ import annotations
 
@@ -26,7 +20,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from machine import machine_line
 
 from mini_vllm.kernels import cpu_layer_ops as L
 from mini_vllm.models import cpu_ops
@@ -87,52 +80,16 @@ def rows(tokens: int) -> list[tuple[str, float, float]]:
     return out
 
 
-SMALL_SHAPES = {"tiny qkv": (512, 256), "tiny o": (256, 256), "tiny gate_up": (1536, 256), "tiny down": (256, 768),
-                "tiny lm_head": (6144, 256), "1024 qkv": (4096, 1024), "1024 o": (1024, 2048),
-                "1024 down": (1024, 3072)}
-
-
-def small_products() -> int:
-    """Prints one line per shape; returns how many row counts the rule got wrong."""
-    wrong = 0
-    print("F.linear us / packed us per call; [F] or [P]: the path small_fp32_product picks, ! where it is "
-          "more than 10% slower than the other")
-    with torch.inference_mode():
-        for name, (n_out, n_in) in SMALL_SHAPES.items():
-            w = torch.randn(n_out, n_in)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            cells = []
-            for m in (1, 2, 4, 8, 16, 32, 64):
-                x = torch.randn(m, n_in)
-                a, b = best_pair(lambda: F.linear(x, w),
-                                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-                pick_f = cpu_ops.small_fp32_product(x, w)
-                bad = (a if pick_f else b) > 1.1 * min(a, b)
-                wrong += bad
-                cells.append(f"{m}:{a * 1e3:.0f}/{b * 1e3:.0f}[{'F' if pick_f else 'P'}]{'!' if bad else ''}")
-            print(f"  {name:<13} {n_out}x{n_in}  " + " ".join(cells))
-    return wrong
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--small-products", action="store_true", help="only the F.linear / packed rule's table")
     args = ap.parse_args()
-    threads_list = [int(t) for t in args.threads.split(",")]
-    print(machine_line(threads_list))
-    if args.small_products:
-        for threads in threads_list:
-            torch.set_num_threads(threads)
-            print(f"\n{threads} thread(s)")
-            print(f"  {small_products()} row counts where the rule picked the slower path by more than 10%")
-        return
     # One untimed pass first: the first large allocations of a process page-fault (glibc
     # serves them with fresh mmaps until a free raises its threshold), which would be
     # charged to whichever op happens to run first.
     for tokens in (2048, 128):
         rows(tokens)
-    for threads in threads_list:
+    for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for tokens in (2048, 128):
             print(f"\n{threads} thread(s), {tokens} tokens: torch ms -> fused/oneDNN ms (torch / fused)")

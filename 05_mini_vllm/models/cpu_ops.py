@@ -22,9 +22,7 @@ Invariants:
   and its version counter, so a weight written in place after loading (a
   test zeroing a projection, a reload) is packed again on the next call,
   never read stale;
-* used only where it pays (not for the small fp32 products of
-  `small_fp32_product`, which F.linear runs faster) and where it can be: a
-  CPU tensor in float32, or in bfloat16 on a
+* used only where it can be: a CPU tensor in float32, or in bfloat16 on a
   CPU whose oneDNN packs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an
   AVX2-only one), oneDNN present, no autograd graph to record (the packed matmul has no backward),
   a weight with a version counter (one created under `torch.inference_mode`
@@ -97,30 +95,9 @@ def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 
 
-# fp32 products too small for the packed matmul's fixed cost (see `small_fp32_product`).
-SMALL_PRODUCT_OUTPUTS = 16384
-SMALL_WEIGHT_ELEMENTS = 1 << 19
-
-
-def small_fp32_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does this fp32 product run faster through `F.linear` than through the packed
-    matmul? The packed call has about 15 us of fixed cost (oneDNN's primitive
-    lookup and its argument checks); the BLAS's own small-matrix path has almost
-    none. Measured at one thread (Intel Xeon with AVX-512 and AMX, `bench_engine_
-    layer_ops.py --small-products`): with 1 or 2 rows F.linear is as fast or
-    faster for every weight up to 32000 x 1024 (a 256 x 256 one: 6.7 against
-    21 us); with more rows it stays faster only while the weight is small and the
-    output has at most 16384 elements (tiny-py-target's layers up to 16-64 rows),
-    and from 4 rows of a 1024-wide weight it is twice as slow. bf16 is not on
-    this path: the packed bf16 matmul was faster at every size measured."""
-    rows = x.numel() // x.shape[-1]
-    return x.dtype == torch.float32 and (rows <= 2 or (weight.numel() <= SMALL_WEIGHT_ELEMENTS
-                                                        and rows * weight.shape[0] <= SMALL_PRODUCT_OUTPUTS))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
     """x @ weight.T (+ bias); `owner` (the layer) holds the packed weight."""
-    if (_AVAILABLE and x.dtype in PACKABLE and weight.dtype == x.dtype and not small_fp32_product(x, weight)
+    if (_AVAILABLE and x.dtype in PACKABLE and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and _compiled_path(x, weight)
             and not weight.is_inference()):  # made under inference_mode: no version counter to key a copy on
         return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight), bias, "none", [], "")
