@@ -1,5 +1,6 @@
-"""Fused CPU layer ops for fp32 models: RMSNorm (alone and after the residual
-add), SiLU-and-mul, and the neox rotary embedding, each one compiled loop.
+"""Fused CPU layer ops for fp32 and bf16 models: RMSNorm (alone and after the
+residual add), SiLU-and-mul, and the neox rotary embedding, each one compiled
+loop (the bf16 loops, rounded where torch rounds, are in `cpu_layer_ops_bf16.py`).
 
 vLLM counterpart: `csrc/cpu/layernorm.cpp` (`rms_norm`, `fused_add_rms_norm`),
 `csrc/cpu/activation.cpp` (`silu_and_mul`) and `csrc/cpu/pos_encoding.cpp`
@@ -22,7 +23,8 @@ GPUs; the tests compare the two on random shapes.
 
 Contract (the callers in `mini_vllm.models` check dtype and device; these
 functions check shapes and contiguity, and raise ValueError naming the argument):
-* every tensor is float32 on the CPU, rows contiguous (a row is one token);
+* every tensor is float32 on the CPU, or every one bfloat16 (the rotary
+  tables stay fp32), rows contiguous (a row is one token);
 * outputs are new tensors; no input is written;
 * RMSNorm sums the squares in fp32 in a different order from torch's mean
   (vectorised partial sums), so it agrees to a few fp32 ulps, not bit for bit;
@@ -46,6 +48,7 @@ import torch
 
 from numba import njit, prange
 
+from . import cpu_layer_ops_bf16 as bf16
 from .cpu_paged_attention import _FASTMATH, _exp
 from .cpu_runtime import use_torch_threads
 
@@ -107,25 +110,43 @@ def _rope_rows(positions, x, cos_cache, sin_cache, head_size, out):
                 out[t, base + half + j] = x2 * c + x1 * s
 
 
-def _rows(name: str, t: torch.Tensor, width: int | None = None) -> np.ndarray:
-    """A [rows, width] float32 view of `t` with contiguous rows, as numpy."""
-    if t.dtype != torch.float32 or not t.is_cpu:
-        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-    a = t.detach().numpy()
+_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # bf16 travels as its raw bits
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy() if t.dtype == torch.float32 else t.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _rows(name: str, t: torch.Tensor, width: int | None = None, dtype: torch.dtype | None = None) -> np.ndarray:
+    """A [rows, width] view of `t` with contiguous rows, as numpy (float32, or
+    uint16 bits for bf16); `dtype`: the dtype it must have."""
+    if t.dtype not in _NUMPY or (dtype is not None and t.dtype != dtype) or not t.is_cpu:
+        raise ValueError(f"{name} must be a {'float32 or bfloat16' if dtype is None else dtype} CPU tensor, "
+                         f"got {t.dtype} on {t.device}")
+    a = _as_numpy(t)
     if a.ndim != 2:  # reshaped by numpy, which (as torch.reshape) copies only what cannot be a view
         a = a.reshape(-1, a.shape[-1])
-    if a.strides[-1] != 4 or (width is not None and a.shape[1] != width):
+    if a.strides[-1] != a.itemsize or (width is not None and a.shape[1] != width):
         raise ValueError(f"{name} must be [tokens, {width or 'width'}] with contiguous rows, "
                          f"got shape {tuple(t.shape)} and strides {t.stride()}")
     return a
 
 
-def _vector(name: str, t: torch.Tensor, width: int) -> np.ndarray:
-    """A [width] float32 contiguous vector (a norm's weight), as numpy."""
-    if t.dtype != torch.float32 or not t.is_cpu or t.shape != (width,) or t.stride(0) != 1:
-        raise ValueError(f"{name} must be a contiguous float32 CPU vector of {width}, "
+def _vector(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> np.ndarray:
+    """A [width] contiguous vector (a norm's weight) of x's dtype, as numpy."""
+    if t.dtype != dtype or not t.is_cpu or t.shape != (width,) or t.stride(0) != 1:
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU vector of {width}, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return t.detach().numpy()
+    return _as_numpy(t)
+
+
+def _new(shape: tuple, like: torch.Tensor) -> np.ndarray:
+    return np.empty(shape, _NUMPY[like.dtype])
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
 
 
 # Outputs are allocated by numpy in their final shape and handed to torch without a
@@ -137,24 +158,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim; x [..., H], weight [H]."""
     hidden = weight.shape[0]
     xs = _rows("x", x, hidden)
-    out = np.empty(x.shape, np.float32)
+    out = _new(x.shape, x)
     use_torch_threads()
-    _rms_norm_rows(xs, _vector("weight", weight, hidden), np.float32(eps), out.reshape(xs.shape))
-    return torch.from_numpy(out)
+    loop = _rms_norm_rows if x.dtype == torch.float32 else bf16.rms_norm_rows_bf16
+    loop(xs, _vector("weight", weight, hidden, x.dtype), np.float32(eps), out.reshape(xs.shape))
+    return _torch(out)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual): the residual stream's add and the
     next norm in one pass; x and residual [T, H]."""
     hidden = weight.shape[0]
-    xs, rs = _rows("x", x, hidden), _rows("residual", residual, hidden)
+    xs, rs = _rows("x", x, hidden), _rows("residual", residual, hidden, x.dtype)
     if xs.shape != rs.shape:
         raise ValueError(f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
-    out, res_out = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+    out, res_out = _new(x.shape, x), _new(x.shape, x)
     use_torch_threads()
-    _add_rms_norm_rows(xs, rs, _vector("weight", weight, hidden), np.float32(eps), out.reshape(xs.shape),
-                       res_out.reshape(xs.shape))
-    return torch.from_numpy(out), torch.from_numpy(res_out)
+    loop = _add_rms_norm_rows if x.dtype == torch.float32 else bf16.add_rms_norm_rows_bf16
+    loop(xs, rs, _vector("weight", weight, hidden, x.dtype), np.float32(eps), out.reshape(xs.shape),
+         res_out.reshape(xs.shape))
+    return _torch(out), _torch(res_out)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -162,24 +185,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even ([gate | up]), got {tuple(x.shape)}")
     xs = _rows("x", x)
-    out = np.empty(x.shape[:-1] + (x.shape[-1] // 2,), np.float32)
+    out = _new(x.shape[:-1] + (x.shape[-1] // 2,), x)
     use_torch_threads()
-    _silu_and_mul_rows(xs, out.reshape(xs.shape[0], xs.shape[1] // 2))
-    return torch.from_numpy(out)
+    loop = _silu_and_mul_rows if x.dtype == torch.float32 else bf16.silu_and_mul_rows_bf16
+    loop(xs, out.reshape(xs.shape[0], xs.shape[1] // 2))
+    return _torch(out)
 
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
                      sin_cache: torch.Tensor, head_size: int) -> torch.Tensor:
     """Rotate each head of x [T, heads * head_size] by its token's position (neox
-    halves), with cos/sin tables [max_position, head_size / 2]."""
+    halves), with fp32 cos/sin tables [max_position, head_size / 2]."""
     if x.dim() != 2 or x.shape[1] % head_size or head_size % 2:
         raise ValueError(f"x must be [tokens, heads * head_size] with an even head_size {head_size}, "
                          f"got {tuple(x.shape)}")
     if positions.shape != (x.shape[0],):
         raise ValueError(f"positions must be [{x.shape[0]}], one per token, got {tuple(positions.shape)}")
     xs = _rows("x", x)
-    out = np.empty(xs.shape, np.float32)
+    out = _new(xs.shape, x)
     use_torch_threads()
-    _rope_rows(positions.contiguous().numpy(), xs, _rows("cos_cache", cos_cache, head_size // 2),
-               _rows("sin_cache", sin_cache, head_size // 2), head_size, out)
-    return torch.from_numpy(out)
+    loop = _rope_rows if x.dtype == torch.float32 else bf16.rope_rows_bf16
+    loop(positions.contiguous().numpy(), xs, _rows("cos_cache", cos_cache, head_size // 2, torch.float32),
+         _rows("sin_cache", sin_cache, head_size // 2, torch.float32), head_size, out)
+    return _torch(out)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.forward_context import set_forward_context
-from mini_vllm.models import ModelConfig, load_model
+from mini_vllm.models import ModelConfig, cpu_ops, load_model
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.course.tiny_models import load_tiny_model, model_path
 
@@ -120,11 +120,17 @@ def _logits(model, config, ids, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_load_matches_hf_in_the_same_dtype(dtype):
+def test_half_precision_load_matches_hf_in_the_same_dtype(dtype, monkeypatch):
     # The loader's cast points are under test, so attention runs on the "torch" backend,
     # which rounds where HF's SDPA does. The "cpu" kernel (the CPU default) keeps scores
     # and softmax in fp32, as vLLM's CPU kernel does; it is checked against the dense
-    # oracle in tests/test_kernels_cpu_attention.py instead.
+    # oracle in tests/test_kernels_cpu_attention.py instead. Likewise the layers run
+    # their torch code: the fused bf16 ops round at the same points, but RMSNorm sums
+    # its squares in another order, which can move a logit by one bf16 step; they are
+    # held to the same rounding points op by op in tests/test_kernels_cpu_layer_ops.py,
+    # and to bf16's own noise below.
+    fused_model, _ = load_model(model_path("tiny-py-target"), dtype=dtype, attention_backend="torch")
+    monkeypatch.setattr(cpu_ops, "CPU_OPS", "torch")
     model, config = load_model(model_path("tiny-py-target"), dtype=dtype, attention_backend="torch")
     assert {p.dtype for p in model.parameters()} == {dtype}, "every parameter must be in the requested dtype"
     rope = model.model.layers[0].self_attn.rotary_emb
@@ -140,6 +146,10 @@ def test_half_precision_load_matches_hf_in_the_same_dtype(dtype):
     # below the 16-bit rounding noise err32 that separates them from float32.
     assert err <= 0.05 * err32, (f"{dtype}: {err:.3e} from HF in the same dtype (16-bit noise vs float32 is "
                                  f"{err32:.3e}): a cast happens at a different point than in HF")
+    monkeypatch.setattr(cpu_ops, "CPU_OPS", "compiled")
+    fused_err = (_logits(fused_model, config, ids, dtype) - ref).abs().max().item()
+    assert fused_err <= err32, (f"{dtype} with the fused CPU ops: {fused_err:.3e} from HF in the same dtype, more "
+                                f"than 16-bit noise itself ({err32:.3e}): a fused op rounds at other points")
 
 
 def test_config_styles_and_defaults(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,107 @@ def test_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
     assert torch.equal(wide[:, :heads * head_size], q), "rotary_embedding must not write its input"
 
 
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """(largest difference in bf16 rounding steps, fraction of elements that differ).
+    Pairs that are both below 1e-30 in magnitude count as equal: silu(-100) is -0.0
+    in torch and -6e-37 here (the kernels' exp clamps its argument at 88), nothing
+    a model can tell from 0, but millions of rounding steps apart."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    tiny = (a.float().abs() < 1e-30) & (b.float().abs() < 1e-30)
+    ai, bi = torch.where(tiny, 0, ai), torch.where(tiny, 0, bi)
+    return int((ai - bi).abs().max()), float((ai != bi).float().mean())
+
+
+# RMSNorm sums in another order than torch's mean and SiLU uses the kernels' exp, so a
+# value within an fp32 ulp of a bf16 rounding boundary may round the other way: one step,
+# rarely. More than one step, or more than 1 element in 1,000, is a real difference.
+BF16_MAX_FRACTION = 1e-3
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 8), (7, 128), (37, 1024)])
+def test_bf16_norms_match_torch_within_one_rounding(tokens, hidden):
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = (torch.randn(tokens, hidden, generator=g) * 3).bfloat16()
+    residual = torch.randn(tokens, hidden, generator=g).bfloat16()
+    norm = _norm_module(hidden, 2).bfloat16()
+    with torch.no_grad():
+        got, ref = L.rms_norm(x, norm.weight, norm.eps), norm._norm(x)
+        out, res = L.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        ref_out, ref_res = norm._norm(x + residual), x + residual
+    assert got.dtype == torch.bfloat16 and out.dtype == res.dtype == torch.bfloat16, "bf16 in, bf16 out"
+    assert torch.equal(res, ref_res), "the new residual must be x + residual rounded to bf16, as torch's add"
+    for name, a, b in (("rms_norm", got, ref), ("fused_add_rms_norm", out, ref_out)):
+        steps, frac = _bf16_steps(a, b)
+        assert steps <= 1 and frac <= BF16_MAX_FRACTION, (
+            f"bf16 {name} differs from RMSNorm._norm by {steps} rounding steps in {frac:.2%} of elements: "
+            "rounded at other points than torch (normalised value, then times the weight) or not to nearest even")
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 4), (33, 3072)])
+def test_bf16_silu_and_mul_matches_torch_within_one_rounding(tokens, inter):
+    x = (torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 6).bfloat16()
+    x[0, 0], x[-1, 1] = 100.0, -100.0
+    gate, up = x.chunk(2, dim=-1)
+    got = L.silu_and_mul(x)
+    steps, frac = _bf16_steps(got, F.silu(gate) * up)
+    assert steps <= 1 and frac <= BF16_MAX_FRACTION, (
+        f"bf16 silu_and_mul differs from torch by {steps} rounding steps in {frac:.2%} of elements: "
+        "silu(gate) must be rounded to bf16 before the product")
+
+
+@pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (40, 16, 128)])
+def test_bf16_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
+    rope = RotaryEmbedding(head_size, 2048, 1000000.0)
+    g = torch.Generator().manual_seed(tokens + 7)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    q = torch.randn(tokens, 2 * heads * head_size, generator=g).bfloat16()[:, :heads * head_size]
+    cos = rope.cos_cache[positions].to(q.dtype)[:, None, :]
+    sin = rope.sin_cache[positions].to(q.dtype)[:, None, :]
+    got = L.rotary_embedding(positions, q, rope.cos_cache, rope.sin_cache, head_size)
+    assert torch.equal(got, rope._rotate(q, cos, sin)), (
+        "bf16 rotary_embedding differs from torch: cos/sin must be rounded to bf16, and each product "
+        "rounded before the difference and the sum")
+
+
+def test_bf16_rounding_is_to_nearest_even_and_keeps_nan():
+    """The narrowing every bf16 op ends with, against torch's own conversion, on the
+    values where rounding modes differ: exact ties (round to the even mantissa),
+    just above and below a tie, the largest finite values, infinities and NaN."""
+    tie = 1.0 + 2.0 ** -8  # halfway between 1 and the next bf16
+    vals = [tie, -tie, 1.0 + 3 * 2.0 ** -8, tie + 2.0 ** -20, tie - 2.0 ** -20, 3.3895e38, 3.39e38,
+            float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40]
+    x = torch.tensor(vals, dtype=torch.float32)
+    want = x.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    from mini_vllm.kernels.cpu_layer_ops_bf16 import _fp32_to_bf16
+    got = np.array([_fp32_to_bf16(np.float32(v)) for v in vals], dtype=np.uint16)
+    nan = np.isnan(np.array(vals))
+    assert (got[~nan] == want[~nan]).all(), \
+        f"fp32 -> bf16 rounding differs from torch's: {list(got[~nan])} vs {list(want[~nan])}"
+    # torch's NaN bits depend on its code path (0x7FC0 scalar, 0xFFFF vectorised): a NaN is what counts
+    assert all((g & 0x7F80) == 0x7F80 and (g & 0x7F) for g in got[nan]), "NaN must stay NaN, not become inf"
+
+
+def test_bf16_ops_on_two_threads_give_one_threads_bits():
+    g = torch.Generator().manual_seed(12)
+    x, residual = torch.randn(300, 256, generator=g).bfloat16(), torch.randn(300, 256, generator=g).bfloat16()
+    weight = torch.randn(256, generator=g).bfloat16()
+    gate_up = torch.randn(300, 2 * 96, generator=g).bfloat16()
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (300,), generator=g)
+    calls = {
+        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
+        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
+        "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
+    }
+    for name, call in calls.items():
+        with torch_threads(1):
+            one = call()
+        with torch_threads(2):
+            two = call()
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"bf16 {name}: 2 threads differ from 1"
+
+
 def test_two_threads_give_one_threads_bits():
     """Each op splits its rows between torch's threads; a row's arithmetic is
     the same whichever thread does it, so 2 threads give 1 thread's bits. A
@@ -101,8 +203,12 @@ def test_bad_inputs_are_refused_by_name():
         L.rotary_embedding(torch.tensor([16]), torch.randn(1, 8), rope.cos_cache, rope.sin_cache, 8)
     with pytest.raises(ValueError, match="positions must be"):
         L.rotary_embedding(torch.tensor([1, 2]), torch.randn(1, 8), rope.cos_cache, rope.sin_cache, 8)
-    with pytest.raises(ValueError, match="x must be a float32"):
-        L.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="x must be a float32 or bfloat16"):
+        L.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-6)
+    with pytest.raises(ValueError, match="weight must be a contiguous torch.bfloat16"):
+        L.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)  # a bf16 model's norm weight is bf16
+    with pytest.raises(ValueError, match="residual must be a torch.float32"):
+        L.fused_add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="contiguous rows"):
         L.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"\[tokens, 8\]"):
@@ -125,12 +231,19 @@ def test_layers_take_the_fused_path_only_where_it_applies(monkeypatch):
     assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_embedding"], \
         f"fp32 CPU inference must use the fused ops, called {calls}"
     calls.clear()
+    norm16 = _norm_module(16, 2).bfloat16()
     with torch.inference_mode():
-        norm(x.bfloat16()), act(x.double())
+        xb = x.bfloat16()
+        norm16(xb), norm16(xb, xb), act(xb), rope(torch.arange(3), xb, xb)
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_embedding"], \
+        f"bf16 CPU inference (a bf16 model) must use the fused ops, called {calls}"
+    calls.clear()
+    with torch.inference_mode():
+        norm(x.bfloat16()), act(x.double()), act(x.half())  # a bf16 x with an fp32 weight: mixed, torch's rules
     out = norm(x)  # autograd on: the fused op has no backward
     out.sum().backward()
     assert calls == [] and norm.weight.grad is not None, \
-        f"bf16/fp64 and autograd must keep the torch path (fused calls: {calls})"
+        f"mixed dtypes, fp64, fp16 and autograd must keep the torch path (fused calls: {calls})"
 
 
 def _column(n_in: int, n_out: int, bias: bool) -> ColumnParallelLinear:
@@ -158,6 +271,23 @@ def test_onednn_linear_matches_f_linear(dtype):
         assert packed, "fp32 (and bf16 where the CPU packs it) CPU inference must use the packed weight"
     else:  # e.g. bf16 on an AVX2-only CPU, where oneDNN's bf16 reorder raises
         assert not packed, f"{dtype} was packed although this CPU cannot pack it"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """The engine's outputs must not depend on how requests are batched: a row's
+    product through `cpu_ops.linear` is the same bits with 1, 2, 3 or 130 rows
+    in the call. (F.linear breaks this: the BLAS takes a 1-row kernel; choosing
+    it for small batches was measured faster and made the core-process test's
+    logprobs differ.)"""
+    layer = _column(256, 512, bias=True).to(dtype)
+    x = torch.randn(130, 256).to(dtype)
+    with torch.inference_mode():
+        alone = layer(x[:1])
+        for rows in (2, 3, 16, 130):
+            assert torch.equal(layer(x[:rows])[:1], alone), (
+                f"{dtype}: row 0's product changed with {rows} rows in the call: the linear's path or kernel "
+                "depends on the batch size, so a request's tokens would depend on its batch")
 
 
 def test_packed_weight_follows_in_place_writes():

@@ -28,15 +28,24 @@ Invariants:
   a weight with a version counter (one created under `torch.inference_mode`
   has none, so a stale copy could not be detected); anything else takes
   `F.linear`;
-* `fused(x, *params)` says whether a layer may call the fused ops for x: float32 on
-  the CPU with no autograd graph to record (bf16/fp16 and GPUs keep the torch
-  code, which is also the readable reference);
+* `fused(x, *params)` says whether a layer may call the fused ops for x: float32
+  or bfloat16 (parameters of the same dtype) on the CPU with no autograd graph
+  to record (fp16 and GPUs keep the torch code, which is also the readable
+  reference);
 * under `torch.compile` (`torch.compiler.is_compiling()`, a constant while
   Dynamo traces) both are off: the traced graph holds the plain torch ops,
   which inductor fuses and `compilation/backends.py` splits at attention;
 * `MINI_VLLM_CPU_OPS=torch` turns both off (`compiled`, the default, on), for
   a learner reading the torch path or bisecting a numeric difference; any
   other value is refused at import, naming the allowed ones.
+
+Batch invariance: a row's result from the packed matmul does not depend on
+how many rows share the call, so a request's logits are the same bits alone or
+in a batch (the engine's outputs do not depend on scheduling, which the core
+process tests compare to 5 decimals). F.linear does not have this property: the
+BLAS takes another kernel for 1 row than for several. It is faster for 1-2
+rows of the tiny model's layers here (256 x 256: 7 against 18 us), but
+switching paths by row count would make a request's tokens depend on its batch.
 
 Cost: the packed copy is held beside the dense weight (vLLM frees the dense
 one; here tests and notebooks still read `layer.weight`), so a CPU model's
@@ -104,6 +113,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
     return F.linear(x, weight, bias)
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def fused(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """May a layer hand x (and its parameters) to `kernels.cpu_layer_ops`?"""
-    return x.dtype == torch.float32 and _compiled_path(x, *params)
+    """May a layer hand x (and its parameters, of x's dtype) to `kernels.cpu_layer_ops`?"""
+    return (x.dtype in FUSED_DTYPES and all(p.dtype == x.dtype for p in params)
+            and _compiled_path(x, *params))
