@@ -153,16 +153,18 @@ class EngineCore:
 
     def _check_placeholders(self) -> None:
         """Each placeholder is a token of a batch still in the queue (a sampled token, or
-        a draft that may be accepted): a request can never have more than 1 + k per batch
-        the queue holds. Fails fast (the engine dies with this message) instead of
-        scheduling positions whose tokens will never come."""
-        n = len(self.batch_queue) * (1 + self.scheduler.config.num_spec_tokens)
+        a draft that may be accepted): a request can never have more than 1 + k per
+        queued batch that scheduled it (an empty batch, queued only for the
+        finished_req_ids it carries, holds none). Fails fast (the engine dies with this
+        message) instead of scheduling positions whose tokens will never come."""
+        per_step = 1 + self.scheduler.config.num_spec_tokens
         for req in self.scheduler.requests.values():  # preempted ones too: they wait for theirs
-            if not 0 <= req.num_output_placeholders <= n:
+            steps = sum(req.request_id in so.num_scheduled_tokens for _, so, *_ in self.batch_queue)
+            if not 0 <= req.num_output_placeholders <= steps * per_step:
                 raise RuntimeError(
                     f"request {req.request_id!r} has {req.num_output_placeholders} output placeholders, at most "
-                    f"{n} allowed ({len(self.batch_queue)} step(s) in flight, 1 + k each): a token that came back "
-                    "did not replace its placeholder, or a rejected draft kept its own")
+                    f"{steps * per_step} allowed ({steps} step(s) in flight that scheduled it, 1 + k each): a "
+                    "token that came back did not replace its placeholder, or a rejected draft kept its own")
 
     def _schedule(self):
         return self.scheduler.schedule()
