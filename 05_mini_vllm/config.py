@@ -131,7 +131,10 @@ class EngineConfig:
         # placeholders per step, filled by the runner): a draft model has one; the n-gram
         # lookup may find fewer drafts or none (vLLM 0.32 refuses its CPU n-gram too). EAGLE
         # runs synchronously here for now: its pass 1 needs the step's tokens on the host.
-        spec_ok = self.speculative is None or self.speculative.method == "draft_model"
+        # A batch-size schedule of draft lengths (num_speculative_tokens_per_batch_size) breaks
+        # that known length too.
+        spec_ok = self.speculative is None or (self.speculative.method == "draft_model"
+                                               and self.speculative.num_speculative_tokens_per_batch_size is None)
         blockers = [(name, value) for name, value, ok in (
             ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
             ("speculative_config", self.speculative_config, spec_ok),
@@ -141,7 +144,8 @@ class EngineConfig:
         elif self.async_scheduling and blockers:
             name, value = blockers[0]
             raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size; "
-                             f"for speculative_config, method 'draft_model' is allowed), got {value!r}")
+                             f"for speculative_config, method 'draft_model' without "
+                             f"num_speculative_tokens_per_batch_size is allowed), got {value!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)

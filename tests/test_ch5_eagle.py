@@ -41,10 +41,11 @@ def eagle(k: int, head: str = EAGLE) -> dict:
     return {"method": "eagle", "model": head, "num_speculative_tokens": k}
 
 
-def eagle_llm(chapter, k: int, **kw):
+def eagle_llm(chapter, k: int, per_batch_size=None, **kw):
     """An engine drafting with the head, its core in this process, running the proposer under
     test: the reference's, or under --impl=exercise the Chapter 5 exercise's (`plug_eagle`)."""
-    llm = make_llm(speculative_config=eagle(k), multiprocess_mode=False, **kw)
+    spec = dict(eagle(k), num_speculative_tokens_per_batch_size=per_batch_size) if per_batch_size else eagle(k)
+    llm = make_llm(speculative_config=spec, multiprocess_mode=False, **kw)
     chapter("engine").plug_eagle(llm)
     return llm
 
@@ -156,6 +157,36 @@ def test_engine_drafts_are_the_reference_chain(monkeypatch, chapter):
     final = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
     checked, accepted = assert_drafts_match_reference(seen, final)
     assert checked >= 60 and accepted >= 20, f"too few drafts compared ({checked}, {accepted} matching)"
+    assert_pool_full(llm)
+
+
+def test_no_drafts_at_large_batches_and_the_head_keeps_its_kv(monkeypatch, chapter):
+    """Dynamic speculation (num_speculative_tokens_per_batch_size): no drafts after a step
+    of 3 or more requests, 4 after a step of 1 or 2. Requests of different lengths
+    finish one by one, so the last ones draft after steps without drafts; their
+    drafts must still be the reference chain's, which reads the head's KV of every
+    earlier position: pass 1 must write it in the steps that draft nothing."""
+    import mini_vllm.worker.model_runner as mr
+
+    llm = eagle_llm(chapter, 4, per_batch_size=[[1, 2, 4], [3, 64, 0]], block_size=8)
+    seen, steps = _record_drafts(llm, monkeypatch), []
+    recording = mr.propose_eagle  # _record_drafts' spy
+
+    def count(runner, req_ids, *a):
+        out = recording(runner, req_ids, *a)
+        steps.append((len(req_ids), sum(len(d) for d in out.values())))  # (batch size, drafts proposed)
+        return out
+
+    monkeypatch.setattr(mr, "propose_eagle", count)
+    prompts = code_prompts() + [list(range(40, 60))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 20, 60, 70)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert steps and all(n == 0 for b, n in steps if b >= 3), \
+        f"drafts proposed after a step of 3 or more requests, where the schedule says 0: {steps}"
+    assert sum(n for b, n in steps if b <= 2) > 0, f"no drafts once 2 requests remained: {steps}"
+    final = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    checked, accepted = assert_drafts_match_reference(seen, final)
+    assert checked >= 20 and accepted >= 8, f"too few drafts compared ({checked}, {accepted} matching)"
     assert_pool_full(llm)
 
 

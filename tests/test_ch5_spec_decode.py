@@ -65,6 +65,39 @@ def test_greedy_identical_to_no_speculation(method, k, code_prompts):
     assert_draft_kv_freed(llm)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_dynamic_speculation_drafts_only_at_small_batches(method, code_prompts):
+    """num_speculative_tokens_per_batch_size [[1, 2, 3], [3, 64, 0]]: a step
+    after one of 3 or more requests verifies no drafts; once 2 requests remain,
+    drafts come back. Greedy tokens stay those of no speculation."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 10, 30, 40)]
+    prompts = [{"prompt_token_ids": p} for p in code_prompts]
+    base = [o.outputs[0].token_ids for o in make_llm(block_size=8).generate(prompts, params, use_tqdm=False)]
+    cfg = dict(spec(method, 3), num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]])
+    llm = make_llm(block_size=8, speculative_config=cfg, multiprocess_mode=False)
+    runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+    steps, real = [], runner.execute_model
+
+    def record(so):  # (requests in the step, drafts it verifies)
+        steps.append((len(so.num_scheduled_tokens), sum(map(len, so.scheduled_spec_decode_tokens.values()))))
+        return real(so)
+
+    runner.execute_model = record
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == base, f"{method}: dynamic speculation changed greedy tokens"
+    after_big = [d for (b, _), (_, d) in zip(steps, steps[1:]) if b >= 3]
+    assert after_big and not any(after_big), \
+        f"{method}: drafts verified after a step of 3 or more requests, where the schedule says 0: {steps}"
+    assert any(d for b, d in steps if b <= 2), f"{method}: no drafts once 2 requests remained: {steps}"
+    assert_pool_full(llm)
+
+
+def test_dynamic_speculation_refuses_async_scheduling():
+    cfg = dict(spec("draft_model", 2), num_speculative_tokens_per_batch_size=[[1, 4, 2], [5, 64, 0]])
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+        make_llm(speculative_config=cfg, async_scheduling=True)
+
+
 @st.composite
 def spec_workloads(draw):
     n = draw(st.integers(2, 5))
@@ -256,6 +289,14 @@ def test_verification_filters_with_the_engine_sampler():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 1},
      ValueError, "prompt_lookup"),
     ({"method": "ngram", "k": 2}, ValueError, "unknown"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]},
+     ValueError, "start at batch size 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8, 3]]},
+     ValueError, r"k must be in \[0, num_speculative_tokens=2\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2,
+      "num_speculative_tokens_per_batch_size": [[1, 4, 2], [4, 8, 0]]}, ValueError, "overlap"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4]]},
+     ValueError, "three ints"),
 ])
 def test_bad_speculative_config(cfg, err, match):
     with pytest.raises(err, match=match):

@@ -21,7 +21,7 @@ from mini_vllm.speculative.verifier import spec_eligible
 
 def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
                   sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-    batch, k = runner.input_batch, runner.proposer.k
+    batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))  # k = 0: pass 1 still writes the KV
     rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
     kept, nxt, n_blocks, n_drafts = [], [], [], []
     for i, rid in enumerate(req_ids):

@@ -23,6 +23,8 @@ executor can broadcast the same SchedulerOutput to every worker.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -48,7 +50,8 @@ class ModelRunner:
     def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
                  max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
                  tokenizer_path: str | None = None, kv_connector=None, proposer=None,
-                 async_scheduling: bool = False, compilation_config: CompilationConfig | None = None) -> None:
+                 async_scheduling: bool = False, compilation_config: CompilationConfig | None = None,
+                 spec_tokens_for_batch: Callable[[int], int] | None = None) -> None:
         self.model, self.model_config = model, model_config
         # Asynchronous scheduling: the next SchedulerOutput is built before the
         # scheduler knows this step's tokens, so the runner appends them itself.
@@ -75,6 +78,9 @@ class ModelRunner:
         # `speculative.proposers.DraftModelProposer` or `speculative.eagle.EagleProposer`), or None without
         # speculative decoding: after each step it drafts the next step's tokens.
         self.proposer = proposer
+        # Dynamic speculative decoding (`SpeculativeConfig.num_tokens_for_batch`): how many
+        # drafts to propose after a step of n requests; None: always the proposer's k.
+        self.spec_tokens_for_batch = spec_tokens_for_batch
         # Asynchronous scheduling with speculation: the drafts kept between steps and the
         # runner's own computed counts (`async_drafts.py`); None otherwise.
         self.async_drafts = AsyncDrafts() if async_scheduling and proposer is not None else None
@@ -242,10 +248,12 @@ class ModelRunner:
         mro = ModelRunnerOutput.from_dict(sampled)
         mro.logprobs = logprobs or None
         mro.prompt_logprobs_dict = prompt_logprobs_dict(self.model, self.requests, hidden, req_ids, md) or None
-        if isinstance(self.proposer, EagleProposerBase):  # reads this step's hidden states
+        if isinstance(self.proposer, EagleProposerBase):  # reads this step's hidden states (k = 0: KV only)
             mro.spec_token_ids = propose_eagle(self, req_ids, input_ids, positions, md, hidden, sampled)
         elif self.proposer is not None:
-            drafts = self._propose_drafts(sampled)
+            k = self.num_drafts_after(len(req_ids))
+            # k = 0: nothing to propose. The draft model feeds the tokens it missed at its next call.
+            drafts = {r: d[:k] for r, d in self._propose_drafts(sampled).items()} if k else {}
             if self.async_drafts is None:
                 mro.spec_token_ids = drafts  # for the scheduler's next schedule()
             else:  # the next step is scheduled already, with placeholders this runner fills
@@ -326,6 +334,12 @@ class ModelRunner:
             g.advance(st.output_token_ids)
             g.fill_bitmask(bitmask, j)
         return bitmask
+
+    def num_drafts_after(self, batch_size: int) -> int:
+        """Drafts per request to propose after a step that scheduled `batch_size`
+        requests (vLLM's scheduler computes the same count as num_spec_tokens_to_schedule)."""
+        k = self.proposer.k
+        return k if self.spec_tokens_for_batch is None else min(k, self.spec_tokens_for_batch(batch_size))
 
     def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step, from the tokens known after this one. Each kind of

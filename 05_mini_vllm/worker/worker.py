@@ -186,7 +186,9 @@ class Worker:
                                         tokenizer_path=cfg.tokenizer or cfg.model,
                                         kv_connector=self.kv_connector, proposer=proposer,
                                         async_scheduling=cfg.async_scheduling,
-                                        compilation_config=self.compilation)
+                                        compilation_config=self.compilation,
+                                        spec_tokens_for_batch=None if cfg.speculative is None
+                                        else cfg.speculative.num_tokens_for_batch)
         self.model_runner.capture_model()
 
     def _make_proposer(self, spec, num_blocks: int):
