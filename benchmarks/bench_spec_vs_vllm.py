@@ -23,6 +23,7 @@ Run: .venv/bin/python benchmarks/bench_spec_vs_vllm.py [--threads 1,2] [--runs 2
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from machine import machine_line
@@ -47,12 +48,15 @@ def held_out_prompts(n: int, length: int = 64) -> list[list[int]]:
     return out
 
 
-def spec_config(method: str | None, k: int) -> dict | None:
+def spec_config(method: str | None, k: int, per_batch_size: list | None = None) -> dict | None:
+    """`per_batch_size`: vLLM's num_speculative_tokens_per_batch_size, given to both engines."""
     if method is None:
         return None
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    return {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k}
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    else:
+        spec = {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k}
+    return spec if per_batch_size is None else dict(spec, num_speculative_tokens_per_batch_size=per_batch_size)
 
 
 def mini_run(prompts, max_tokens: int, spec: dict | None, runs: int) -> tuple[float, list, dict | None]:
@@ -103,18 +107,21 @@ def acceptance_table(threads: int) -> None:
         print(f"{k:>3}{mine:>12}{theirs:>12}  {pos_m} | {pos_v}", flush=True)
 
 
-def speed_table(threads: int, runs: int, k: int, chosen: list[str]) -> None:
+def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_size: list | None = None) -> None:
     prompts = held_out_prompts(32)
     print(f"\nOutput tok/s, {SPEED_TOKENS} tokens per request, best of {runs} ({threads} thread"
           f"{'s' * (threads > 1)}); speed-up over the same engine without speculation in brackets")
-    methods = [(None, 0)] + [(m, k if m == "eagle" else 3) for m in ("eagle", "draft_model", "ngram") if m in chosen]
+    methods = [(None, 0, None)] + [(m, k if m == "eagle" else 3, None) for m in ("eagle", "draft_model", "ngram")
+                                   if m in chosen]
+    if per_batch_size is not None:  # EAGLE again, with the batch-size schedule of draft lengths
+        methods.append(("eagle", k, per_batch_size))
     print(f"{'batch':>6}{'method':>18}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
     for batch in (1, 8, 32):
         ps = prompts[:batch]
         useful = batch * SPEED_TOKENS
         base = {}
-        for method, kk in methods:
-            t, toks, _ = mini_run(ps, SPEED_TOKENS, spec_config(method, kk), runs)
+        for method, kk, sched in methods:
+            t, toks, _ = mini_run(ps, SPEED_TOKENS, spec_config(method, kk, sched), runs)
             if method is None:
                 base["mini"] = (t, toks)
             elif toks != base["mini"][1]:
@@ -122,14 +129,14 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str]) -> None:
             cell_m = f"{useful / t:8.1f} ({base['mini'][0] / t:.2f}x)"
             cell_v, ratio = "-", ""
             if vllm_python() is not None:
-                tv, toks_v, _ = vllm_run(ps, SPEED_TOKENS, spec_config(method, kk), runs, threads)
+                tv, toks_v, _ = vllm_run(ps, SPEED_TOKENS, spec_config(method, kk, sched), runs, threads)
                 if method is None:
                     base["vllm"] = (tv, toks_v)
                 elif toks_v != base["vllm"][1]:
                     raise SystemExit(f"vLLM {method} batch {batch}: tokens differ from its own run without it")
                 cell_v = f"{useful / tv:8.1f} ({base['vllm'][0] / tv:.2f}x)"
                 ratio = f"{tv / t:.2f}"
-            name = "none" if method is None else f"{method} k={kk}"
+            name = "none" if method is None else f"{method} k={kk}" + (" dynamic" if sched else "")
             print(f"{batch:>6}{name:>18}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
 
 
@@ -141,6 +148,9 @@ def main() -> None:
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--methods", default="eagle,draft_model,ngram", help="speed-table rows besides none")
+    ap.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON",
+                    help="an extra EAGLE row with num_speculative_tokens_per_batch_size, e.g. "
+                         "'[[1, 8, 3], [9, 64, 0]]' (both engines)")
     args = ap.parse_args()
     threads = [int(x) for x in args.threads.split(",")]
     print(machine_line(threads))
@@ -151,7 +161,7 @@ def main() -> None:
         if not args.skip_acceptance:
             acceptance_table(n)
         if not args.skip_speed:
-            speed_table(n, args.runs, args.k, args.methods.split(","))
+            speed_table(n, args.runs, args.k, args.methods.split(","), args.per_batch_size)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,11 @@ from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
-from mini_vllm.spec_decode import NgramProposer
 from mini_vllm.speculative.eagle_base import EagleProposerBase
 from mini_vllm.speculative.proposers import DraftModelProposer
+from mini_vllm.worker.draft_inputs import propose_drafts
 from mini_vllm.worker.eagle_inputs import propose_eagle
-from mini_vllm.speculative.verifier import SpecVerifier, spec_eligible
+from mini_vllm.speculative.verifier import SpecVerifier
 
 
 class ModelRunner:
@@ -251,9 +251,7 @@ class ModelRunner:
         if isinstance(self.proposer, EagleProposerBase):  # reads this step's hidden states (k = 0: KV only)
             mro.spec_token_ids = propose_eagle(self, req_ids, input_ids, positions, md, hidden, sampled)
         elif self.proposer is not None:
-            k = self.num_drafts_after(len(req_ids))
-            # k = 0: nothing to propose. The draft model feeds the tokens it missed at its next call.
-            drafts = {r: d[:k] for r, d in self._propose_drafts(sampled).items()} if k else {}
+            drafts = propose_drafts(self, sampled, self.num_drafts_after(len(req_ids)))
             if self.async_drafts is None:
                 mro.spec_token_ids = drafts  # for the scheduler's next schedule()
             else:  # the next step is scheduled already, with placeholders this runner fills
@@ -340,17 +338,3 @@ class ModelRunner:
         requests (vLLM's scheduler computes the same count as num_spec_tokens_to_schedule)."""
         k = self.proposer.k
         return k if self.spec_tokens_for_batch is None else min(k, self.spec_tokens_for_batch(batch_size))
-
-    def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Drafts for the next step, from the tokens known after this one. Each kind of
-        proposer is called its own way, as vLLM's `propose_draft_token_ids` does."""
-        # Under asynchronous scheduling the runner appended this step's tokens already.
-        reqs = {rid: self.requests[rid].token_ids + ([] if self.async_scheduling else toks)
-                for rid, toks in sampled.items() if toks and spec_eligible(self.requests[rid].sampling_params)}
-        if not reqs:
-            return {}
-        if isinstance(self.proposer, NgramProposer):  # Chapter 4's: contexts in, drafts in order
-            drafts = dict(zip(reqs, self.proposer.propose(list(reqs.values()))))
-        else:  # speculative.proposers.DraftModelProposer: by request id (its KV is per request)
-            drafts = self.proposer.propose(reqs)
-        return {r: d for r, d in drafts.items() if d}
