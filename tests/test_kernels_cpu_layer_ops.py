@@ -149,36 +149,16 @@ def test_bf16_rounding_is_to_nearest_even_and_keeps_nan():
     assert all((g & 0x7F80) == 0x7F80 and (g & 0x7F) for g in got[nan]), "NaN must stay NaN, not become inf"
 
 
-def test_bf16_ops_on_two_threads_give_one_threads_bits():
-    g = torch.Generator().manual_seed(12)
-    x, residual = torch.randn(300, 256, generator=g).bfloat16(), torch.randn(300, 256, generator=g).bfloat16()
-    weight = torch.randn(256, generator=g).bfloat16()
-    gate_up = torch.randn(300, 2 * 96, generator=g).bfloat16()
-    rope = RotaryEmbedding(64, 512, 10000.0)
-    positions = torch.randint(0, 512, (300,), generator=g)
-    calls = {
-        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
-        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
-        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
-        "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
-    }
-    for name, call in calls.items():
-        with torch_threads(1):
-            one = call()
-        with torch_threads(2):
-            two = call()
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"bf16 {name}: 2 threads differ from 1"
-
-
-def test_two_threads_give_one_threads_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_threads_give_one_threads_bits(dtype):
     """Each op splits its rows between torch's threads; a row's arithmetic is
     the same whichever thread does it, so 2 threads give 1 thread's bits. A
     split that skipped or repeated a slice of rows, or a worker reading the
     wrong row, would differ (300 rows: both threads get some)."""
     g = torch.Generator().manual_seed(11)
-    x, residual = torch.randn(300, 256, generator=g), torch.randn(300, 256, generator=g)
-    weight = torch.randn(256, generator=g)
-    gate_up = torch.randn(300, 2 * 96, generator=g)
+    x, residual = torch.randn(300, 256, generator=g).to(dtype), torch.randn(300, 256, generator=g).to(dtype)
+    weight = torch.randn(256, generator=g).to(dtype)
+    gate_up = torch.randn(300, 2 * 96, generator=g).to(dtype)
     rope = RotaryEmbedding(64, 512, 10000.0)
     positions = torch.randint(0, 512, (300,), generator=g)
     calls = {
@@ -194,7 +174,7 @@ def test_two_threads_give_one_threads_bits():
             two = call()
         for a, b in zip(one, two):
             assert torch.equal(a, b), \
-                f"{name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
+                f"{dtype} {name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
 
 
 def test_bad_inputs_are_refused_by_name():
