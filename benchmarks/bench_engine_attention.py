@@ -16,6 +16,9 @@ The floor: a kernel must read every K/V row of the batch at least once, so it
 cannot beat bytes(K/V) / bandwidth, with the bandwidth measured here as a
 256 MiB `dst.copy_(src)` (bytes copied per second) with the same thread count.
 "x floor" is a kernel's time over that floor (1.0 = memory-bound optimum).
+"% read bw" is the kernel's K/V bytes per second as a share of the machine's
+read bandwidth (`machine.read_bandwidth`, same thread count): reading alone is
+faster than a copy, so this is the stricter measure for decodes.
 That holds for decodes; a prefill reuses each K/V row for many queries and is
 bound by arithmetic instead (4 x head_dim flops per query head and visible
 key: the scores and P @ V), so the cpu kernel's GFLOP/s is printed too.
@@ -35,7 +38,11 @@ paid per layer and step; it is printed as the time of a 1-token decode.
 Compile time: the kernel's first call in a fresh process with an empty numba
 cache (the compile a learner waits for once), and with the on-disk cache.
 
-Run: .venv/bin/python benchmarks/bench_engine_attention.py [--threads 1,2]
+`--isa avx2` reruns the whole script as on a CPU without AVX-512
+(`cpu_runtime.AVX2_ONLY_ENV`: numba compiles for Haswell, torch, oneDNN, MKL and
+OpenBLAS are held to AVX2), compile times included.
+
+Run: .venv/bin/python benchmarks/bench_engine_attention.py [--threads 1,2] [--cold] [--isa native|avx2]
 """
 from __future__ import annotations
 
@@ -49,7 +56,8 @@ import time
 
 import torch
 
-from machine import machine_line
+from machine import machine_line, read_bandwidth
+from mini_vllm.kernels.cpu_runtime import AVX2_ONLY_ENV
 from mini_vllm.attention import torch_attn as torch_attention
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels.cpu_paged_attention import run_varlen
@@ -184,7 +192,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="2", help="comma-separated thread counts, e.g. 1,2")
     parser.add_argument("--cold", action="store_true", help="evict the L3 cache before every timed call")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: rerun this script as on a CPU without AVX-512 (cpu_runtime.AVX2_ONLY_ENV)")
     args = parser.parse_args()
+    if args.isa == "avx2" and os.environ.get("NUMBA_CPU_NAME") != AVX2_ONLY_ENV["NUMBA_CPU_NAME"]:
+        # The libraries read their ISA settings once, at load: a fresh interpreter with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **AVX2_ONLY_ENV))
+    if args.isa == "avx2":
+        print("ISA held to AVX2 + FMA (numba targets haswell; torch, oneDNN, MKL and OpenBLAS limited to AVX2)")
     with tempfile.TemporaryDirectory() as cache_dir:
         cold = first_call_seconds(cache_dir)
         warm = first_call_seconds(cache_dir)
@@ -203,11 +218,13 @@ def main():
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)  # the kernel follows torch's thread count
         bw = copy_bandwidth()
-        print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s; block {BS} unless named, best of "
+        read_bw = read_bandwidth(threads) * 1e9  # bytes per second
+        print(f"\n{threads} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {read_bw / 1e9:.1f} GB/s; "
+              f"block {BS} unless named, best of "
               f"{REPEATS}, {'L3 evicted before each call' if args.cold else 'L3 as the last call left it'}; "
               f"cpu kernel fixed cost {fixed_cost_us():.0f} us a call")
         print(f"{'batch':42s} {'K/V MB':>7s} {'floor ms':>9s} {'cpu ms':>8s} {'x floor':>8s} "
-              f"{'cpu GFLOP/s':>12s} {'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
+              f"{'cpu GFLOP/s':>12s} {'% read bw':>10s} {'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
         for name, (q, kc, vc, md, kv_bytes, flops) in cases.items():
             scale = q.shape[-1] ** -0.5
             with torch.no_grad():
@@ -216,7 +233,8 @@ def main():
                     lambda: torch_attention.attend(q, kc, vc, md, scale)], cold=args.cold)
             floor = kv_bytes / bw
             print(f"{name:42s} {kv_bytes / 1e6:7.1f} {floor * 1e3:9.2f} {t_cpu * 1e3:8.2f} {t_cpu / floor:8.2f} "
-                  f"{flops / t_cpu / 1e9:12.1f} {t_torch * 1e3:9.2f} {t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
+                  f"{flops / t_cpu / 1e9:12.1f} {100 * kv_bytes / t_cpu / read_bw:9.0f}% {t_torch * 1e3:9.2f} "
+                  f"{t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -351,19 +351,42 @@ def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, 
                     if ahead > 1:
                         _prefetch_row(k_flat, at + row_len + kvh * head_dim, head_dim)
                     r0 = (kvh - h0) * group  # the query rows of KV head kvh: r0 .. r0 + group - 1
+                    # Two query rows per pass where the group has them (the last row of an
+                    # odd group alone): each K element is loaded (and widened) once for
+                    # four products instead of two. Every row's sum runs over d in the same
+                    # order either way, so its bits do not depend on the pass it fell in.
                     if fmt == FMT_FP32:  # read in place
-                        for r in range(r0, r0 + group):
-                            x0, x1 = np.float32(0.0), np.float32(0.0)
-                            for d in range(head_dim):
-                                x0 += q_rows[r, d] * key_cache[phys, slot, kvh, d]
-                                x1 += q_rows[r, d] * key_cache[phys, pair, kvh, d]
+                        for r in range(r0, r0 + group, 2):
+                            x0, x1, y0, y1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                            if r + 1 < r0 + group:
+                                for d in range(head_dim):
+                                    k0, k1 = key_cache[phys, slot, kvh, d], key_cache[phys, pair, kvh, d]
+                                    x0 += q_rows[r, d] * k0
+                                    x1 += q_rows[r, d] * k1
+                                    y0 += q_rows[r + 1, d] * k0
+                                    y1 += q_rows[r + 1, d] * k1
+                                s[r + 1, j], s[r + 1, c + pair] = y0, y1
+                            else:
+                                for d in range(head_dim):
+                                    x0 += q_rows[r, d] * key_cache[phys, slot, kvh, d]
+                                    x1 += q_rows[r, d] * key_cache[phys, pair, kvh, d]
                             s[r, j], s[r, c + pair] = x0, x1
                     elif fmt == FMT_BF16:  # widened in the loop: a shift
-                        for r in range(r0, r0 + group):
-                            x0, x1 = np.float32(0.0), np.float32(0.0)
-                            for d in range(head_dim):
-                                x0 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, slot, kvh, d])
-                                x1 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, pair, kvh, d])
+                        for r in range(r0, r0 + group, 2):
+                            x0, x1, y0, y1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                            if r + 1 < r0 + group:
+                                for d in range(head_dim):
+                                    k0 = _bf16_to_fp32(key_cache[phys, slot, kvh, d])
+                                    k1 = _bf16_to_fp32(key_cache[phys, pair, kvh, d])
+                                    x0 += q_rows[r, d] * k0
+                                    x1 += q_rows[r, d] * k1
+                                    y0 += q_rows[r + 1, d] * k0
+                                    y1 += q_rows[r + 1, d] * k1
+                                s[r + 1, j], s[r + 1, c + pair] = y0, y1
+                            else:
+                                for d in range(head_dim):
+                                    x0 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, slot, kvh, d])
+                                    x1 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, pair, kvh, d])
                             s[r, j], s[r, c + pair] = x0, x1
                     else:  # fp16's widening is longer: once per row, for all the group's rows
                         _widen_row(key_cache, phys, slot, kvh, fmt, k_rows[0])

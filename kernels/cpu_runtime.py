@@ -159,3 +159,18 @@ def single_threaded_blas():
     finally:
         for lib, threads in changed:
             lib.set_num_threads(threads)
+
+
+# The environment under which this machine runs the kernels as a CPU without
+# AVX-512 would (an AVX2 + FMA x86 core, Intel Haswell or later, AMD Zen 1-3):
+# numba's LLVM targets Haswell with that model's own feature set (an empty
+# feature string means "the named CPU's defaults", so no AVX-512 instruction
+# can be emitted); torch's kernels, oneDNN (whose bf16 packing then reports
+# itself unsupported, so bf16 linears take F.linear), MKL and OpenBLAS (the
+# tiled path's np.dot) are held to AVX2 too. Set in a fresh process before
+# anything is imported: each library reads it once. Used by
+# tests/programs/avx2_kernels.py and `bench_engine_attention.py --isa avx2`.
+# numba's disk cache keys machine code on the target CPU, so this build never
+# replaces the native one.
+AVX2_ONLY_ENV = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "", "ATEN_CPU_CAPABILITY": "avx2",
+                 "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}

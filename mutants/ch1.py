@@ -235,6 +235,24 @@ MUTANTS: list[Mutant] = [
             "not its group kvh * group .. kvh * group + group - 1",
     ),
     Mutant(
+        name="cpu_decode_row_pair_reuses_first_query",
+        path=CPU_KERNEL,
+        old="y0 += q_rows[r + 1, d] * k0\n"
+            "                                    y1 += q_rows[r + 1, d] * k1\n"
+            "                                s[r + 1, j], s[r + 1, c + pair] = y0, y1\n"
+            "                            else:\n"
+            "                                for d in range(head_dim):\n"
+            "                                    x0 += q_rows[r, d] * key_cache",
+        new="y0 += q_rows[r, d] * k0\n"
+            "                                    y1 += q_rows[r + 1, d] * k1\n"
+            "                                s[r + 1, j], s[r + 1, c + pair] = y0, y1\n"
+            "                            else:\n"
+            "                                for d in range(head_dim):\n"
+            "                                    x0 += q_rows[r, d] * key_cache",
+        tests=CPU_TESTS,
+        why="cpu decode path (fp32): the second query row of a pass scores its first key with the first row's query",
+    ),
+    Mutant(
         name="cpu_decode_read_past_seq_len",
         path=CPU_KERNEL,
         old="keys = min(step_keys, kv_end - start)  # stops at kv_end",

@@ -10,6 +10,7 @@ backends are checked against too.
 fp32 cases come first in the file: a planted mistake fails there before the
 16-bit variant of the kernel is compiled (seconds under `make mutants`).
 """
+import json
 import os
 import subprocess
 import sys
@@ -353,6 +354,32 @@ def test_importing_the_kernels_changes_no_environment_and_starts_no_thread():
     seen = run_fresh(["import-side-effects"], "importing the kernel modules failed in a fresh process")
     assert seen[0] == "env-changed:none", f"importing the kernels changed the environment: {seen[0]}"
     assert seen[1] == "pool-started:False", "importing the kernels started numba's thread pool"
+
+
+def test_the_kernels_build_and_agree_on_a_cpu_without_avx512(tmp_path):
+    """Every compiled loop, built for Haswell (AVX2 + FMA, the feature set of an
+    x86 laptop without AVX-512) with torch, oneDNN, MKL and OpenBLAS held to AVX2
+    too (`AVX2_ONLY_ENV`): the attention kernel (fp32 / bf16 / fp16 caches, decode,
+    tiled and mixed batches) and the fused layer ops agree with torch, their
+    loops are vectorized with 256-bit registers, and no AVX-512 instruction is in
+    their machine code (on this machine's native build the scan finds thousands)."""
+    from mini_vllm.kernels.cpu_runtime import AVX2_ONLY_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    env.update(AVX2_ONLY_ENV, NUMBA_CACHE_DIR=str(tmp_path))  # empty: machine code is inspectable only when built here
+    proc = subprocess.run([sys.executable, str(PROGRAMS / "avx2_kernels.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, "the kernels failed when built for an AVX2-only CPU:\n" + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["cpu"] == "haswell" and "avx512" not in report["features"], (
+        f"numba did not target an AVX2-only CPU: {report['cpu']} {report['features'][:200]}")
+    for case, err in report["errors"].items():
+        tol = 1e-5 if case.endswith("float32") else 2e-2  # bf16 / fp16: a few roundings of 2**-8
+        assert err <= tol, f"{case}: differs from torch by {err:.3g} when built for AVX2 (a loop that assumes AVX-512?)"
+    assert not report["not_compiled"], f"these loops were never compiled by the cases: {report['not_compiled']}"
+    for fn, seen in report["code"].items():
+        assert seen["avx512"] == 0, f"{fn}: {seen['avx512']} AVX-512 instructions in a build for an AVX2-only CPU"
+        assert seen["ymm"] > 0, f"{fn}: no 256-bit register used: its loops did not vectorize for AVX2"
 
 
 @st.composite
