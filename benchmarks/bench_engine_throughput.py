@@ -30,7 +30,9 @@ continuous batching alone can gain over static batching. Goal against HF: >= 3x.
 Execution modes (`--modes`, comma-separated; each timed in the same interleaved
 runs): `process` (the default: the engine core in its own process), `inproc`
 (MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0: one process, one step per `step()`),
-and `process-async` / `inproc-async` (asynchronous scheduling on top).
+`process-async` / `inproc-async` (asynchronous scheduling on top), and `process-O1` /
+`process-O3` (the model compiled by `torch.compile` / traced and split at attention, as
+`-O1` / `-O3` do; compile time is paid before timing).
 
 Workloads (`--model`): `tiny` (the above: the 5M-parameter tiny target in fp32) and
 `qwen3-0.6b`, the size a learner runs on a laptop: a Qwen3-0.6B-shaped checkpoint with
@@ -131,7 +133,10 @@ def summary(times: list[float], useful: int) -> str:
 
 MODES = {"process": dict(multiprocess_mode=True), "inproc": dict(multiprocess_mode=False),
          "process-async": dict(multiprocess_mode=True, async_scheduling=True),
-         "inproc-async": dict(multiprocess_mode=False, async_scheduling=True)}
+         "inproc-async": dict(multiprocess_mode=False, async_scheduling=True),
+         # the model compiled (vLLM's -O1 and -O3; on a CPU the default is eager, mode NONE)
+         "process-O1": dict(multiprocess_mode=True, compilation_config=1),
+         "process-O3": dict(multiprocess_mode=True, compilation_config=3)}
 
 
 def side_by_side(reqs, threads: int, runs: int, llms: dict, wl: Workload) -> float:
