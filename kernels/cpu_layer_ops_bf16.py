@@ -96,10 +96,15 @@ def rope_rows_bf16(positions, x, cos_cache, sin_cache, head_size, out):
             raise IndexError("rotary_embedding: a position is outside the cos/sin table")
     for t in prange(tokens):
         p = positions[t]
+        # The token's cos/sin row narrowed to bf16 (as torch's .to()) once, not once per head:
+        # Qwen3-0.6B rotates 24 heads of q and k per token.
+        cos_row, sin_row = np.empty(half, np.float32), np.empty(half, np.float32)
+        for j in range(half):
+            cos_row[j] = _bf16_to_fp32(_fp32_to_bf16(cos_cache[p, j]))
+            sin_row[j] = _bf16_to_fp32(_fp32_to_bf16(sin_cache[p, j]))
         for base in range(0, width, head_size):
             for j in range(half):
-                c = _bf16_to_fp32(_fp32_to_bf16(cos_cache[p, j]))  # the fp32 table narrowed, as torch's .to()
-                s = _bf16_to_fp32(_fp32_to_bf16(sin_cache[p, j]))
+                c, s = cos_row[j], sin_row[j]
                 x1, x2 = _bf16_to_fp32(x[t, base + j]), _bf16_to_fp32(x[t, base + half + j])
                 x1c, x2s = _bf16_to_fp32(_fp32_to_bf16(x1 * c)), _bf16_to_fp32(_fp32_to_bf16(x2 * s))
                 x2c, x1s = _bf16_to_fp32(_fp32_to_bf16(x2 * c)), _bf16_to_fp32(_fp32_to_bf16(x1 * s))
