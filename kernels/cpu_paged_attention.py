@@ -353,8 +353,8 @@ def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, 
                     r0 = (kvh - h0) * group  # the query rows of KV head kvh: r0 .. r0 + group - 1
                     # Two query rows per pass where the group has them (the last row of an
                     # odd group alone): each K element is loaded (and widened) once for
-                    # four products instead of two. Every row's sum runs over d in the same
-                    # order either way, so its bits do not depend on the pass it fell in.
+                    # four products instead of two. Which pass a row takes is fixed by its
+                    # place in the group, so its bits still depend on no batch or thread.
                     if fmt == FMT_FP32:  # read in place
                         for r in range(r0, r0 + group, 2):
                             x0, x1, y0, y1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)

@@ -12,6 +12,7 @@ fp32 cases come first in the file: a planted mistake fails there before the
 """
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -356,6 +357,8 @@ def test_importing_the_kernels_changes_no_environment_and_starts_no_thread():
     assert seen[1] == "pool-started:False", "importing the kernels started numba's thread pool"
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="builds for an x86 model (Haswell): only an x86 machine can run that code")
 def test_the_kernels_build_and_agree_on_a_cpu_without_avx512(tmp_path):
     """Every compiled loop, built for Haswell (AVX2 + FMA, the feature set of an
     x86 laptop without AVX-512) with torch, oneDNN, MKL and OpenBLAS held to AVX2
