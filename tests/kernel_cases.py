@@ -1,6 +1,7 @@
 """Cases and helpers shared by the kernel tests (Triton, numba CPU, the CPU layer ops):
-scrambled block tables, the bad-input table every paged-attention implementation
-must reject with the same ValueError, and a thread-count context."""
+scrambled block tables, NaN-filled paged caches built by plain indexing, the
+bad-input table every paged-attention implementation must reject with the same
+ValueError, and a thread-count context."""
 import contextlib
 
 import pytest
@@ -19,6 +20,30 @@ def scrambled_layout(seq_lens, block_size, seed, spare=3):
         rows.append(tuple(ids[p:p + n]) + (-1,) * (max(needed) + 1 - n))
         p += n
     return BlockLayout(num_blocks, block_size, tuple(rows))
+
+
+def build_cache(batch, layout, shape, dtype, seed, values=None):
+    """NaN caches holding each sequence's K/V at its block-table slots; returns
+    (key_cache, value_cache, tables, seq_lens, ks, vs, qs). `values(n, heads)`
+    draws the entries of q and k (default: standard normal)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = values or (lambda n, h: torch.randn(n, h, shape.head_dim, generator=g))
+    cache_shape = (layout.num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    bs = layout.block_size
+    ks, vs, qs = [], [], []
+    for i, (s, q) in enumerate(zip(batch.seq_lens, batch.q_lens)):
+        k = draw(s, shape.num_kv_heads).to(dtype)
+        v = torch.randn(s, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+        for pos in range(s):
+            key_cache[layout.block_tables[i][pos // bs], pos % bs] = k[pos]
+            value_cache[layout.block_tables[i][pos // bs], pos % bs] = v[pos]
+        ks.append(k)
+        vs.append(v)
+        qs.append(draw(q, shape.num_heads).to(dtype))
+    tables = torch.tensor(layout.block_tables, dtype=torch.int32)
+    return key_cache, value_cache, tables, torch.tensor(batch.seq_lens, dtype=torch.int32), ks, vs, qs
 
 
 def good_args():

@@ -28,35 +28,11 @@ from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.kernels import cpu_paged_attention as cpa
 from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode, paged_attention_varlen
-from kernel_cases import BAD, BAD_VARLEN, good_args, raised_message, scrambled_layout, torch_threads
+from kernel_cases import BAD, BAD_VARLEN, build_cache, good_args, raised_message, scrambled_layout, torch_threads
 from oracles import dense_causal_attention
 from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-def build_cache(batch, layout, shape, dtype, seed, values=None):
-    """NaN caches holding each sequence's K/V at its block-table slots; returns
-    (key_cache, value_cache, tables, seq_lens, ks, vs, qs). `values(n, heads)`
-    draws the entries of q and k (default: standard normal)."""
-    g = torch.Generator().manual_seed(seed)
-    draw = values or (lambda n, h: torch.randn(n, h, shape.head_dim, generator=g))
-    cache_shape = (layout.num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
-    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    bs = layout.block_size
-    ks, vs, qs = [], [], []
-    for i, (s, q) in enumerate(zip(batch.seq_lens, batch.q_lens)):
-        k = draw(s, shape.num_kv_heads).to(dtype)
-        v = torch.randn(s, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-        for pos in range(s):
-            key_cache[layout.block_tables[i][pos // bs], pos % bs] = k[pos]
-            value_cache[layout.block_tables[i][pos // bs], pos % bs] = v[pos]
-        ks.append(k)
-        vs.append(v)
-        qs.append(draw(q, shape.num_heads).to(dtype))
-    tables = torch.tensor(layout.block_tables, dtype=torch.int32)
-    return key_cache, value_cache, tables, torch.tensor(batch.seq_lens, dtype=torch.int32), ks, vs, qs
 
 
 def assert_close(out, expected, dtype, what):

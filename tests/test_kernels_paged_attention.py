@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from mini_vllm.kernels import paged_attention as kpa
 from mini_vllm.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
 from mini_vllm.kernels.reshape_and_cache import reshape_and_cache
-from kernel_cases import BAD, BAD_VARLEN, good_args, raised_message, scrambled_layout
+from kernel_cases import BAD, BAD_VARLEN, build_cache as build_cache_cpu, good_args, raised_message, scrambled_layout
 from oracles import dense_causal_attention
 from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
@@ -29,26 +29,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
 def build_cache(batch, layout, shape, dtype, seed):
-    """Contiguous K/V/Q per sequence, copied by plain indexing into a NaN cache."""
-    g = torch.Generator().manual_seed(seed)
-    cache_shape = (layout.num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
-    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    bs = layout.block_size
-    ks, vs, qs = [], [], []
-    for i, (s, q) in enumerate(zip(batch.seq_lens, batch.q_lens)):
-        k = torch.randn(s, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-        v = torch.randn(s, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-        for pos in range(s):
-            blk = layout.block_tables[i][pos // bs]
-            key_cache[blk, pos % bs] = k[pos]
-            value_cache[blk, pos % bs] = v[pos]
-        ks.append(k)
-        vs.append(v)
-        qs.append(torch.randn(q, shape.num_heads, shape.head_dim, generator=g).to(dtype))
-    tables = torch.tensor(layout.block_tables, dtype=torch.int32, device=DEVICE)
-    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
-    return key_cache.to(DEVICE), value_cache.to(DEVICE), tables, seq_lens, ks, vs, qs
+    """kernel_cases.build_cache's caches, tables and lengths on DEVICE."""
+    key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache_cpu(batch, layout, shape, dtype, seed)
+    return key_cache.to(DEVICE), value_cache.to(DEVICE), tables.to(DEVICE), seq_lens.to(DEVICE), ks, vs, qs
 
 
 def max_err(out, expected):

@@ -19,15 +19,20 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent  # kernel_cases and strategies live there (also in a mutant's copy)
 
 AVX512_MARKS = re.compile(r"%zmm\d+|%k[1-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{1to\d+\}")
 
 
 def attention_cases(torch, cpa, ref) -> dict:
-    """name -> largest |kernel - reference| over a batch; unused cache slots hold NaN,
-    so a read past seq_len shows as NaN."""
+    """name -> largest |kernel - reference| over a batch, in the kernel tests' NaN-filled
+    caches (a read past seq_len shows as NaN)."""
+    from kernel_cases import build_cache, scrambled_layout
+    from strategies import GQAShape, RaggedBatch
+
     out = {}
-    g = torch.Generator().manual_seed(0)
     # (query heads, KV heads, head_dim, q_lens, seq_lens): decode path (group 2, 4),
     # tiled decodes (group 16 > DECODE_MAX_GROUP), a prefill chunk with decodes
     shapes = {"decode g2 d64": (4, 2, 64, [1] * 6, [17, 40, 64, 100, 5, 33]),
@@ -35,23 +40,11 @@ def attention_cases(torch, cpa, ref) -> dict:
               "decode g16 d64 (tiled)": (32, 2, 64, [1] * 2, [50, 90]),
               "mixed chunk + decodes": (8, 2, 64, [37, 1, 1, 20], [60, 45, 12, 20])}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for name, (heads, kv_heads, d, q_lens, seq_lens) in shapes.items():
-            bs = 16
-            per_seq = [(s + bs - 1) // bs for s in seq_lens]
-            num_blocks = sum(per_seq) + 2
-            order = torch.randperm(num_blocks, generator=g).tolist()
-            tables = torch.full((len(seq_lens), max(per_seq)), -1, dtype=torch.int32)
-            k_cache = torch.full((num_blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
-            v_cache = torch.full_like(k_cache, float("nan"))
-            for i, s in enumerate(seq_lens):
-                blocks = [order.pop() for _ in range(per_seq[i])]
-                tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-                for pos in range(s):
-                    k_cache[blocks[pos // bs], pos % bs] = torch.randn(kv_heads, d, generator=g).to(dtype)
-                    v_cache[blocks[pos // bs], pos % bs] = torch.randn(kv_heads, d, generator=g).to(dtype)
-            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-            query = torch.randn(int(cu[-1]), heads, d, generator=g).to(dtype)
-            lens = torch.tensor(seq_lens, dtype=torch.int32)
+        for seed, (name, (heads, kv_heads, d, q_lens, seq_lens)) in enumerate(shapes.items()):
+            batch, shape = RaggedBatch(tuple(seq_lens), tuple(q_lens)), GQAShape(heads, kv_heads, d)
+            k_cache, v_cache, tables, lens, _, _, qs = build_cache(
+                batch, scrambled_layout(seq_lens, 16, seed), shape, dtype, seed)
+            cu, query = torch.tensor(batch.cu_seqlens_q, dtype=torch.int32), torch.cat(qs)
             got = cpa.paged_attention_varlen(query, k_cache, v_cache, tables, cu, lens, d ** -0.5)
             want = ref.paged_attention_varlen(query, k_cache, v_cache, tables, cu, lens, d ** -0.5)
             out[f"attention {name} {str(dtype)[6:]}"] = (got.float() - want.float()).abs().max().item()
@@ -110,6 +103,7 @@ def scan(functions) -> tuple[dict, list]:
 def main() -> None:
     if not os.environ.get("NUMBA_CPU_NAME") or not os.environ.get("NUMBA_CACHE_DIR"):
         sys.exit("run with cpu_runtime.AVX2_ONLY_ENV and an empty NUMBA_CACHE_DIR (see the docstring)")
+    sys.path.insert(0, str(TESTS))
     import torch
     from numba.core.registry import cpu_target
 
