@@ -54,32 +54,36 @@ from .cpu_runtime import use_torch_threads
 
 
 @njit(cache=True, inline="always", fastmath=_FASTMATH, error_model="numpy")
-def _norm_row(x, r, weight, eps, out):
-    """out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps)."""
-    hidden = x.shape[1]
+def _norm_row(x, weight, eps, out):
+    """out = weight * x / sqrt(mean(x^2) + eps), for one row (1-D views)."""
+    hidden = x.shape[0]
     ss = np.float32(0.0)
     for j in range(hidden):
-        ss += x[r, j] * x[r, j]
+        ss += x[j] * x[j]
     inv = np.float32(1.0) / np.sqrt(ss / np.float32(hidden) + eps)
     for j in range(hidden):
-        out[r, j] = weight[j] * (x[r, j] * inv)
+        out[j] = weight[j] * (x[j] * inv)
 
 
 # Each op is one prange over rows (tokens): numba splits the rows into one equal
 # slice per thread. A row's arithmetic is the same whichever thread does it.
+# The inner loops index 1-D views of a row (or of one head): with 2-D indexing
+# (`x[t, base + j]`) LLVM kept the rotary loop scalar, 2.7 ns an element on a
+# 1,259-token bf16 prefill; on the head's view it vectorises, 0.45 ns.
 
 @njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _rms_norm_rows(x, weight, eps, out):
     for r in prange(x.shape[0]):
-        _norm_row(x, r, weight, eps, out)
+        _norm_row(x[r], weight, eps, out[r])
 
 
 @njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _add_rms_norm_rows(x, residual, weight, eps, out, residual_out):
     for r in prange(x.shape[0]):
-        for j in range(x.shape[1]):
-            residual_out[r, j] = x[r, j] + residual[r, j]
-        _norm_row(residual_out, r, weight, eps, out)  # the row is still in L1: no second trip to memory
+        xr, rr, sr = x[r], residual[r], residual_out[r]
+        for j in range(xr.shape[0]):
+            sr[j] = xr[j] + rr[j]
+        _norm_row(sr, weight, eps, out[r])  # the row is still in L1: no second trip to memory
 
 
 @njit(cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
@@ -87,9 +91,10 @@ def _silu_and_mul_rows(x, out):
     rows, inter = out.shape
     one = np.float32(1.0)
     for r in prange(rows):
+        gate, up, o = x[r, :inter], x[r, inter:], out[r]
         for j in range(inter):
-            g = x[r, j]
-            out[r, j] = g / (one + _exp(-g)) * x[r, inter + j]
+            g = gate[j]
+            o[j] = g / (one + _exp(-g)) * up[j]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: products rounded before the sum, as torch
@@ -101,13 +106,13 @@ def _rope_rows(positions, x, cos_cache, sin_cache, head_size, out):
         if positions[t] < 0 or positions[t] >= max_position:
             raise IndexError("rotary_embedding: a position is outside the cos/sin table")
     for t in prange(tokens):
-        p = positions[t]
+        cos, sin = cos_cache[positions[t]], sin_cache[positions[t]]
         for base in range(0, width, head_size):
+            x1, x2 = x[t, base:base + half], x[t, base + half:base + head_size]
+            o1, o2 = out[t, base:base + half], out[t, base + half:base + head_size]
             for j in range(half):
-                c, s = cos_cache[p, j], sin_cache[p, j]
-                x1, x2 = x[t, base + j], x[t, base + half + j]
-                out[t, base + j] = x1 * c - x2 * s
-                out[t, base + half + j] = x2 * c + x1 * s
+                o1[j] = x1[j] * cos[j] - x2[j] * sin[j]
+                o2[j] = x2[j] * cos[j] + x1[j] * sin[j]
 
 
 _NUMPY = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # bf16 travels as its raw bits
