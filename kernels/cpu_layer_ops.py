@@ -1,6 +1,7 @@
 """Fused CPU layer ops for fp32 and bf16 models: RMSNorm (alone and after the
-residual add), SiLU-and-mul, and the neox rotary embedding, each one compiled
-loop (the bf16 loops, rounded where torch rounds, are in `cpu_layer_ops_bf16.py`).
+residual add), SiLU-and-mul, the neox rotary embedding, and Qwen3's per-head
+q/k norms with the rotation (`qk_norm_rope`), each one compiled loop (the bf16
+loops, rounded where torch rounds, are in `cpu_layer_ops_bf16.py`).
 
 vLLM counterpart: `csrc/cpu/layernorm.cpp` (`rms_norm`, `fused_add_rms_norm`),
 `csrc/cpu/activation.cpp` (`silu_and_mul`) and `csrc/cpu/pos_encoding.cpp`
@@ -49,6 +50,7 @@ import torch
 from numba import njit, prange
 
 from . import cpu_layer_ops_bf16 as bf16
+from .cpu_layer_ops_bf16 import _check_positions
 from .cpu_paged_attention import _FASTMATH, _exp
 from .cpu_runtime import use_torch_threads
 
@@ -97,22 +99,48 @@ def _silu_and_mul_rows(x, out):
             o[j] = g / (one + _exp(-g)) * up[j]
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _rotate_head(x1, x2, cos, sin, o1, o2):
+    """One head's neox rotation: (x1*cos - x2*sin, x2*cos + x1*sin), each product
+    rounded before the sum (callers compile without fastmath, so no fused multiply-add)."""
+    for j in range(x1.shape[0]):
+        o1[j] = x1[j] * cos[j] - x2[j] * sin[j]
+        o2[j] = x2[j] * cos[j] + x1[j] * sin[j]
+
+
 @njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: products rounded before the sum, as torch
 def _rope_rows(positions, x, cos_cache, sin_cache, head_size, out):
     tokens, width = x.shape
     half = head_size // 2
-    max_position = cos_cache.shape[0]
-    for t in range(tokens):  # checked first, on the calling thread, so no worker thread raises
-        if positions[t] < 0 or positions[t] >= max_position:
-            raise IndexError("rotary_embedding: a position is outside the cos/sin table")
+    _check_positions(positions, cos_cache.shape[0])
     for t in prange(tokens):
         cos, sin = cos_cache[positions[t]], sin_cache[positions[t]]
         for base in range(0, width, head_size):
-            x1, x2 = x[t, base:base + half], x[t, base + half:base + head_size]
-            o1, o2 = out[t, base:base + half], out[t, base + half:base + head_size]
-            for j in range(half):
-                o1[j] = x1[j] * cos[j] - x2[j] * sin[j]
-                o2[j] = x2[j] * cos[j] + x1[j] * sin[j]
+            _rotate_head(x[t, base:base + half], x[t, base + half:base + head_size], cos, sin,
+                         out[t, base:base + half], out[t, base + half:base + head_size])
+
+
+# The norm of one head, compiled on its own with fastmath (its sum of squares vectorised,
+# as in _rms_norm_rows), for callers that compile without it.
+_norm_head = njit(cache=True, fastmath=_FASTMATH, error_model="numpy")(_norm_row.py_func)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: the rotation rounds as torch
+def _qk_norm_rope_rows(positions, qkv, q_heads, k_heads, head_size, q_weight, k_weight, eps, cos_cache,
+                       sin_cache, q_out, k_out):
+    half = head_size // 2
+    _check_positions(positions, cos_cache.shape[0])
+    for t in prange(qkv.shape[0]):
+        cos, sin = cos_cache[positions[t]], sin_cache[positions[t]]
+        normed = np.empty(head_size, np.float32)
+        for h in range(q_heads + k_heads):
+            a = h * head_size
+            if h < q_heads:
+                weight, out, b = q_weight, q_out, a
+            else:
+                weight, out, b = k_weight, k_out, a - q_heads * head_size
+            _norm_head(qkv[t, a:a + head_size], weight, eps, normed)
+            _rotate_head(normed[:half], normed[half:], cos, sin, out[t, b:b + half], out[t, b + half:b + head_size])
 
 
 _NUMPY = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # bf16 travels as its raw bits
@@ -213,3 +241,26 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.
     loop(positions.contiguous().numpy(), xs, _rows("cos_cache", cos_cache, head_size // 2, torch.float32),
          _rows("sin_cache", sin_cache, head_size // 2, torch.float32), head_size, out)
     return _torch(out)
+
+
+def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k followed by the rotary embedding, read straight
+    from the projection's output qkv [T, (H + 2 * KVH) * D]; returns q [T, H * D] and
+    k [T, KVH * D] (new tensors), equal to `rms_norm` of each head then `rotary_embedding`.
+    One call and one pass instead of two copies (the heads of a column slice) and four calls."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    if head_size % 2:
+        raise ValueError(f"head_size must be even, got {head_size}")
+    xs = _rows("qkv", qkv, width)
+    if positions.shape != (xs.shape[0],):
+        raise ValueError(f"positions must be [{xs.shape[0]}], one per token, got {tuple(positions.shape)}")
+    q_out, k_out = _new((xs.shape[0], num_heads * head_size), qkv), _new((xs.shape[0], num_kv_heads * head_size), qkv)
+    use_torch_threads()
+    loop = _qk_norm_rope_rows if qkv.dtype == torch.float32 else bf16.qk_norm_rope_rows_bf16
+    loop(positions.contiguous().numpy(), xs, num_heads, num_kv_heads, head_size,
+         _vector("q_weight", q_weight, head_size, qkv.dtype), _vector("k_weight", k_weight, head_size, qkv.dtype),
+         np.float32(eps), _rows("cos_cache", cos_cache, head_size // 2, torch.float32),
+         _rows("sin_cache", sin_cache, head_size // 2, torch.float32), q_out, k_out)
+    return _torch(q_out), _torch(k_out)

@@ -91,28 +91,67 @@ def silu_and_mul_rows_bf16(x, out):
             o[j] = _fp32_to_bf16(silu * _bf16_to_fp32(up[j]))
 
 
+@njit(cache=True)
+def _check_positions(positions, max_position):
+    """Run first, on the calling thread, so that no worker thread raises (fp32 and bf16 rotary)."""
+    for t in range(positions.shape[0]):
+        if positions[t] < 0 or positions[t] >= max_position:
+            raise IndexError("rotary_embedding: a position is outside the cos/sin table")
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _narrow_table_row(table, p, row):
+    """row[:] = table[p] narrowed to bf16 and widened back (torch's .to() of cos/sin)."""
+    for j in range(row.shape[0]):
+        row[j] = _bf16_to_fp32(_fp32_to_bf16(table[p, j]))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _rotate_head_bf16(x1, x2, cos, sin, o1, o2):
+    """One head's neox rotation, each product narrowed before the difference and the sum."""
+    for j in range(x1.shape[0]):
+        a, b = _bf16_to_fp32(x1[j]), _bf16_to_fp32(x2[j])
+        ac, bs = _bf16_to_fp32(_fp32_to_bf16(a * cos[j])), _bf16_to_fp32(_fp32_to_bf16(b * sin[j]))
+        bc, as_ = _bf16_to_fp32(_fp32_to_bf16(b * cos[j])), _bf16_to_fp32(_fp32_to_bf16(a * sin[j]))
+        o1[j] = _fp32_to_bf16(ac - bs)
+        o2[j] = _fp32_to_bf16(bc + as_)
+
+
 @njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: each product rounded, as torch
 def rope_rows_bf16(positions, x, cos_cache, sin_cache, head_size, out):
     tokens, width = x.shape
     half = head_size // 2
-    max_position = cos_cache.shape[0]
-    for t in range(tokens):  # checked first, on the calling thread, so no worker thread raises
-        if positions[t] < 0 or positions[t] >= max_position:
-            raise IndexError("rotary_embedding: a position is outside the cos/sin table")
+    _check_positions(positions, cos_cache.shape[0])
     for t in prange(tokens):
-        p = positions[t]
-        # The token's cos/sin row narrowed to bf16 (as torch's .to()) once, not once per head:
-        # Qwen3-0.6B rotates 24 heads of q and k per token.
+        # The token's cos/sin row narrowed once, not once per head (Qwen3-0.6B rotates 24 heads).
         cos, sin = np.empty(half, np.float32), np.empty(half, np.float32)
-        for j in range(half):
-            cos[j] = _bf16_to_fp32(_fp32_to_bf16(cos_cache[p, j]))
-            sin[j] = _bf16_to_fp32(_fp32_to_bf16(sin_cache[p, j]))
+        _narrow_table_row(cos_cache, positions[t], cos)
+        _narrow_table_row(sin_cache, positions[t], sin)
         for base in range(0, width, head_size):
-            x1, x2 = x[t, base:base + half], x[t, base + half:base + head_size]
-            o1, o2 = out[t, base:base + half], out[t, base + half:base + head_size]
-            for j in range(half):
-                a, b = _bf16_to_fp32(x1[j]), _bf16_to_fp32(x2[j])
-                ac, bs = _bf16_to_fp32(_fp32_to_bf16(a * cos[j])), _bf16_to_fp32(_fp32_to_bf16(b * sin[j]))
-                bc, as_ = _bf16_to_fp32(_fp32_to_bf16(b * cos[j])), _bf16_to_fp32(_fp32_to_bf16(a * sin[j]))
-                o1[j] = _fp32_to_bf16(ac - bs)
-                o2[j] = _fp32_to_bf16(bc + as_)
+            _rotate_head_bf16(x[t, base:base + half], x[t, base + half:base + head_size], cos, sin,
+                              out[t, base:base + half], out[t, base + half:base + head_size])
+
+
+# The norm of one head, compiled on its own with fastmath (as in rms_norm_rows_bf16).
+_norm_head_bf16 = njit(cache=True, fastmath=_FASTMATH, error_model="numpy")(_norm_row_bf16.py_func)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: each product rounded, as torch
+def qk_norm_rope_rows_bf16(positions, qkv, q_heads, k_heads, head_size, q_weight, k_weight, eps, cos_cache,
+                           sin_cache, q_out, k_out):
+    half = head_size // 2
+    _check_positions(positions, cos_cache.shape[0])
+    for t in prange(qkv.shape[0]):
+        cos, sin = np.empty(half, np.float32), np.empty(half, np.float32)
+        _narrow_table_row(cos_cache, positions[t], cos)
+        _narrow_table_row(sin_cache, positions[t], sin)
+        normed = np.empty(head_size, np.uint16)
+        for h in range(q_heads + k_heads):
+            a = h * head_size
+            if h < q_heads:
+                weight, out, b = q_weight, q_out, a
+            else:
+                weight, out, b = k_weight, k_out, a - q_heads * head_size
+            _norm_head_bf16(qkv[t, a:a + head_size], weight, eps, normed)
+            _rotate_head_bf16(normed[:half], normed[half:], cos, sin, out[t, b:b + half],
+                              out[t, b + half:b + head_size])

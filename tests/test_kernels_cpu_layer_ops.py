@@ -131,6 +131,48 @@ def test_bf16_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size
         "rounded before the difference and the sum")
 
 
+def _qwen3_qkv(tokens: int, heads: int, kv_heads: int, head_size: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=g) * 3).to(dtype)
+    q_w, k_w = (torch.randn(head_size, generator=g).to(dtype) for _ in range(2))
+    return g, qkv, q_w, k_w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_size", [(1, 1, 1, 8), (9, 4, 2, 64), (37, 16, 8, 128)])
+def test_qk_norm_rope_equals_the_ops_apart_and_torch(dtype, tokens, heads, kv_heads, head_size):
+    """Qwen3's fused q/k norm + rotation against (1) rms_norm per head then rotary_embedding,
+    bit for bit (same rounding points), and (2) the torch code of the model's layers."""
+    g, qkv, q_w, k_w = _qwen3_qkv(tokens, heads, kv_heads, head_size, dtype, tokens + heads)
+    rope = RotaryEmbedding(head_size, 2048, 1000000.0)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    got_q, got_k = L.qk_norm_rope(positions, qkv, heads, kv_heads, head_size, q_w, k_w, 1e-6,
+                                  rope.cos_cache, rope.sin_cache)
+    assert got_q.shape == q.shape and got_k.shape == k.shape and got_q.dtype == got_k.dtype == dtype
+    for name, x, w, got in (("q", q, q_w, got_q), ("k", k, k_w, got_k)):
+        normed = L.rms_norm(x.reshape(-1, head_size), w, 1e-6).view(tokens, -1)
+        apart = L.rotary_embedding(positions, normed, rope.cos_cache, rope.sin_cache, head_size)
+        assert torch.equal(got, apart), (
+            f"{dtype} qk_norm_rope's {name} differs from rms_norm then rotary_embedding: the wrong heads "
+            f"(q's and k's weights or offsets mixed up), the norm after the rotation, or other rounding points")
+        norm = RMSNorm(head_size, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            ref_normed = norm._norm(x.reshape(tokens, -1, head_size)).view(tokens, -1)
+        cos = rope.cos_cache[positions].to(dtype)[:, None, :]
+        sin = rope.sin_cache[positions].to(dtype)[:, None, :]
+        ref = rope._rotate(ref_normed, cos, sin)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5,
+                                       msg=f"fp32 qk_norm_rope's {name} differs from the torch layers")
+        else:
+            steps, frac = _bf16_steps(got, ref)
+            assert steps <= 2 and frac <= 2 * BF16_MAX_FRACTION, (
+                f"bf16 qk_norm_rope's {name} differs from the torch layers by {steps} rounding steps in {frac:.2%} "
+                "of elements (one norm rounding step, carried through the rotation, is allowed)")
+
+
 def test_bf16_rounding_is_to_nearest_even_and_keeps_nan():
     """The narrowing every bf16 op ends with, against torch's own conversion, on the
     values where rounding modes differ: exact ties (round to the even mantissa),
@@ -166,6 +208,8 @@ def test_two_threads_give_one_threads_bits(dtype):
         "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
         "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
         "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
+        "qk_norm_rope": lambda: L.qk_norm_rope(positions, x, 2, 1, 64, weight[:64], weight[64:128], 1e-6,
+                                               rope.cos_cache, rope.sin_cache),
     }
     for name, call in calls.items():
         with torch_threads(1):
@@ -197,6 +241,15 @@ def test_bad_inputs_are_refused_by_name():
         L.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="even"):
         L.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match=r"qkv must be \[tokens, 32\]"):  # 2 + 2 * 1 heads of 8
+        L.qk_norm_rope(torch.arange(2), torch.randn(2, 24), 2, 1, 8, torch.ones(8), torch.ones(8), 1e-6,
+                       rope.cos_cache, rope.sin_cache)
+    with pytest.raises(IndexError, match="outside the cos/sin table"):
+        L.qk_norm_rope(torch.tensor([16]), torch.randn(1, 32), 2, 1, 8, torch.ones(8), torch.ones(8), 1e-6,
+                       rope.cos_cache, rope.sin_cache)
+    with pytest.raises(ValueError, match="k_weight must be a contiguous torch.float32 CPU vector of 8"):
+        L.qk_norm_rope(torch.arange(2), torch.randn(2, 32), 2, 1, 8, torch.ones(8), torch.ones(4), 1e-6,
+                       rope.cos_cache, rope.sin_cache)
 
 
 def test_layers_take_the_fused_path_only_where_it_applies(monkeypatch):
@@ -224,6 +277,43 @@ def test_layers_take_the_fused_path_only_where_it_applies(monkeypatch):
     out.sum().backward()
     assert calls == [] and norm.weight.grad is not None, \
         f"mixed dtypes, fp64, fp16 and autograd must keep the torch path (fused calls: {calls})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_attention_takes_the_fused_qk_path(monkeypatch, dtype):
+    """Qwen3's q/k norms and rotation: one qk_norm_rope call in CPU inference, close to the
+    model's torch code; the torch code under autograd (the fused op has no backward)."""
+    from mini_vllm.course.tiny_models import model_path
+    from mini_vllm.models.loader import load_model
+
+    model, _ = load_model(model_path("tiny-py-target"), dtype=dtype, attention_backend="torch")
+    attn = model.model.layers[1].self_attn
+    calls = []
+    real = L.qk_norm_rope
+    monkeypatch.setattr(L, "qk_norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(5, attn.q_size + 2 * attn.kv_size, generator=g) * 2).to(dtype)
+    positions = torch.tensor([0, 1, 2, 700, 1023])
+
+    def run(x):
+        q, k, _ = x.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        return attn.position_qk(positions, x, q, k)
+
+    with torch.inference_mode():
+        fused = run(qkv)
+    assert calls == [1], "Qwen3 CPU inference must norm and rotate q and k in one qk_norm_rope call"
+    monkeypatch.setattr(cpu_ops, "CPU_OPS", "torch")
+    with torch.inference_mode():
+        ref = run(qkv)
+    assert calls == [1], "MINI_VLLM_CPU_OPS=torch must keep the model's torch code"
+    for name, a, b in zip("qk", fused, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-5 if dtype == torch.float32 else 0.07,
+                                   msg=f"{dtype} fused {name} differs from Qwen3Attention's torch code")
+    monkeypatch.setattr(cpu_ops, "CPU_OPS", "compiled")
+    grad_in = qkv.float().requires_grad_() if dtype == torch.float32 else None
+    if grad_in is not None:
+        run(grad_in)[0].sum().backward()
+        assert calls == [1] and grad_in.grad is not None, "autograd must keep the torch path"
 
 
 def _column(n_in: int, n_out: int, bias: bool) -> ColumnParallelLinear:

@@ -58,10 +58,15 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k  # Llama and Qwen2 have none; Qwen3 overrides
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def position_qk(self, positions: torch.Tensor, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q and k (views of qkv) normed where the model norms them, then rotated."""
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        return self.rotary_emb(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.position_qk(positions, qkv, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -75,12 +75,20 @@ def layer_op_cases(torch, ops) -> dict:
         x1, x2 = h[..., :16], h[..., 16:]
         rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).view(7, 96)
         fused_out, fused_res = ops.fused_add_rms_norm(x, res, w, 1e-6)
+        # Qwen3's q/k norms + rotation on heads read as qkv (1 query, 1 KV head): heads 0 and 1
+        wq, wk = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype), (1 + 0.1 * torch.randn(32, generator=g)).to(dtype)
+        normed = torch.stack([hh * torch.rsqrt(hh.pow(2).mean(-1, keepdim=True) + 1e-6) * ww.float()
+                              for hh, ww in ((h[:, 0], wq), (h[:, 1], wk))], 1)
+        n1, n2 = normed[..., :16], normed[..., 16:]
+        qk_want = torch.cat([n1 * c - n2 * s, n2 * c + n1 * s], -1)
+        qk_q, qk_k = ops.qk_norm_rope(positions, heads, 1, 1, 32, wq, wk, 1e-6, cos, sin)
         pairs = {"rms_norm": (ops.rms_norm(x, w, 1e-6), norm(x)),
                  "fused_add_rms_norm": (fused_out, norm(x.float() + res.float())),
                  "fused_add_rms_norm residual": (fused_res, x.float() + res.float()),
                  "silu_and_mul": (ops.silu_and_mul(gate_up),
                                   torch.nn.functional.silu(gate_up[:, :48].float()) * gate_up[:, 48:].float()),
-                 "rotary_embedding": (ops.rotary_embedding(positions, heads, cos, sin, 32), rotated)}
+                 "rotary_embedding": (ops.rotary_embedding(positions, heads, cos, sin, 32), rotated),
+                 "qk_norm_rope q": (qk_q, qk_want[:, 0]), "qk_norm_rope k": (qk_k, qk_want[:, 1])}
         for name, (got, want) in pairs.items():
             err = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
             out[f"{name} {str(dtype)[6:]}"] = err
@@ -119,7 +127,9 @@ def main() -> None:
                  "_add_rms_norm_rows": ops._add_rms_norm_rows, "_silu_and_mul_rows": ops._silu_and_mul_rows,
                  "_rope_rows": ops._rope_rows, "rms_norm_rows_bf16": ops_bf16.rms_norm_rows_bf16,
                  "add_rms_norm_rows_bf16": ops_bf16.add_rms_norm_rows_bf16,
-                 "silu_and_mul_rows_bf16": ops_bf16.silu_and_mul_rows_bf16, "rope_rows_bf16": ops_bf16.rope_rows_bf16}
+                 "silu_and_mul_rows_bf16": ops_bf16.silu_and_mul_rows_bf16, "rope_rows_bf16": ops_bf16.rope_rows_bf16,
+                 "_qk_norm_rope_rows": ops._qk_norm_rope_rows, "_norm_head": ops._norm_head,
+                 "qk_norm_rope_rows_bf16": ops_bf16.qk_norm_rope_rows_bf16, "_norm_head_bf16": ops_bf16._norm_head_bf16}
     code, empty = scan(functions)
     print(json.dumps({"cpu": codegen._get_host_cpu_name(), "features": codegen._get_host_cpu_features(),
                       "errors": errors, "code": code, "not_compiled": empty}))
