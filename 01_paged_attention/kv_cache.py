@@ -26,18 +26,24 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32) -> tuple:
+    """The shape of one layer's key (and value) cache, [num_blocks, block_size, num_kv_heads,
+    head_dim], after checking the arguments (vLLM: `AttentionBackend.get_kv_cache_shape`)."""
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _positive_int(name, v)
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
 def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
     """One layer's (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
 
     Zero-filled; which slots hold real tokens is known only through block
     tables and sequence lengths, never through the cache contents.
     """
-    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        _positive_int(name, v)
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -43,3 +43,42 @@ def test_defaults_profile_cuda_and_use_512_mib_on_cpu():
         "CPU without kv_cache_memory_bytes must use the 512 MiB default"
     n, _ = _worker("cuda", num_gpu_blocks_override=9, kv_cache_memory_bytes=1 << 30).determine_num_blocks(2048)
     assert n == 9, "num_gpu_blocks_override must win over every budget"
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """THPeligible of the mapping holding `address` (/proc/self/smaps), None if not shown."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+def test_cpu_kv_cache_is_zeroed_and_asks_for_huge_pages():
+    """The CPU cache of every layer: Chapter 1's shape and zeros, a writable tensor of its own,
+    in a private mapping advised for 2 MiB pages where the kernel offers them."""
+    import mmap
+    import os
+
+    from mini_vllm.worker.cache_engine import CacheEngine
+
+    engine = CacheEngine(num_layers=2, num_gpu_blocks=64, num_cpu_blocks=0, block_size=32, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, device="cpu")
+    k0, v0 = engine.gpu_cache[0]
+    assert k0.shape == v0.shape == (64, 32, 8, 128) and k0.dtype == torch.bfloat16 and k0.is_contiguous()
+    assert all(bool((t == 0).all()) for pair in engine.gpu_cache for t in pair), "the KV cache must start zeroed"
+    k0.fill_(1.0)
+    assert bool((v0 == 0).all()) and bool((engine.gpu_cache[1][0] == 0).all()), \
+        "each layer's key and value caches must be separate memory"
+    with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1"):
+        CacheEngine(1, 64, 0, 32, 0, 128, torch.bfloat16, "cpu")
+    mode = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists(mode) or "[never]" in open(mode).read():
+        pytest.skip("no transparent huge pages here: the cache is on ordinary pages")
+    assert _thp_eligible(k0.data_ptr()) is True, \
+        "the CPU KV cache is not eligible for huge pages: not madvised, or a shared (shmem) mapping"

@@ -6,7 +6,9 @@ vLLM counterparts: `GPUModelRunner.initialize_kv_cache` and
 which owned the CPU swap space and executed swap and copy lists.
 
 Layout: per layer a (key_cache, value_cache) pair, each
-[num_blocks, block_size, num_kv_heads, head_dim] (Chapter 1). Block ids are
+[num_blocks, block_size, num_kv_heads, head_dim] (Chapter 1); on the CPU in
+memory backed by 2 MiB pages (`host_memory.py`: fewer TLB misses when
+attention reads blocks scattered over the cache). Block ids are
 shared by all layers: block b of request r is block b in every layer.
 
 An EAGLE head adds `num_draft_layers` layers laid out the same way and
@@ -24,7 +26,10 @@ from __future__ import annotations
 import torch
 
 from mini_vllm.paged_attention import allocate_kv_cache
+from mini_vllm.paged_attention.kv_cache import kv_cache_shape
 from mini_vllm.scheduler.swap import copy_blocks
+
+from .host_memory import hugepage_zeros
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
 
@@ -43,16 +48,26 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, what: str) ->
     return n
 
 
+def _layer_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (key_cache, value_cache): Chapter 1's `allocate_kv_cache`, and on the
+    CPU the same zero-filled tensors on 2 MiB pages."""
+    if device.type != "cpu":
+        return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    return hugepage_zeros(shape, dtype), hugepage_zeros(shape, dtype)
+
+
 class CacheEngine:
     def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, num_draft_layers: int = 0,
                  num_scratch_blocks: int = 0) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.device = torch.device(device)
-        self.gpu_cache = [allocate_kv_cache(num_gpu_blocks, block_size, num_kv_heads, head_dim,
-                                            dtype, self.device) for _ in range(num_layers)]
-        self.draft_cache = [allocate_kv_cache(num_gpu_blocks + num_scratch_blocks, block_size, num_kv_heads,
-                                              head_dim, dtype, self.device) for _ in range(num_draft_layers)]
+        self.gpu_cache = [_layer_cache(num_gpu_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+                          for _ in range(num_layers)]
+        self.draft_cache = [_layer_cache(num_gpu_blocks + num_scratch_blocks, block_size, num_kv_heads, head_dim,
+                                         dtype, self.device) for _ in range(num_draft_layers)]
         self.gpu_cache += [(k[:num_gpu_blocks], v[:num_gpu_blocks]) for k, v in self.draft_cache]
         num_layers += num_draft_layers
         # Swap space lives in host memory (pinned on CUDA for async copies).
