@@ -125,22 +125,27 @@ def _rope_rows(positions, x, cos_cache, sin_cache, head_size, out):
 _norm_head = njit(cache=True, fastmath=_FASTMATH, error_model="numpy")(_norm_row.py_func)
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _norm_rotate_heads(src, weight, eps, cos, sin, normed, dst):
+    """dst = each head of src (one token's q or k) normed with `weight`, then rotated;
+    `normed` is the caller's scratch for one head."""
+    head_size = normed.shape[0]
+    half = head_size // 2
+    for a in range(0, src.shape[0], head_size):
+        _norm_head(src[a:a + head_size], weight, eps, normed)
+        _rotate_head(normed[:half], normed[half:], cos, sin, dst[a:a + half], dst[a + half:a + head_size])
+
+
 @njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: the rotation rounds as torch
 def _qk_norm_rope_rows(positions, qkv, q_heads, k_heads, head_size, q_weight, k_weight, eps, cos_cache,
                        sin_cache, q_out, k_out):
-    half = head_size // 2
     _check_positions(positions, cos_cache.shape[0])
     for t in prange(qkv.shape[0]):
         cos, sin = cos_cache[positions[t]], sin_cache[positions[t]]
         normed = np.empty(head_size, np.float32)
-        for h in range(q_heads + k_heads):
-            a = h * head_size
-            if h < q_heads:
-                weight, out, b = q_weight, q_out, a
-            else:
-                weight, out, b = k_weight, k_out, a - q_heads * head_size
-            _norm_head(qkv[t, a:a + head_size], weight, eps, normed)
-            _rotate_head(normed[:half], normed[half:], cos, sin, out[t, b:b + half], out[t, b + half:b + head_size])
+        q_end = q_heads * head_size
+        _norm_rotate_heads(qkv[t, :q_end], q_weight, eps, cos, sin, normed, q_out[t])
+        _norm_rotate_heads(qkv[t, q_end:q_end + k_heads * head_size], k_weight, eps, cos, sin, normed, k_out[t])
 
 
 _NUMPY = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # bf16 travels as its raw bits

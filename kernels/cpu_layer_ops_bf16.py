@@ -136,6 +136,17 @@ def rope_rows_bf16(positions, x, cos_cache, sin_cache, head_size, out):
 _norm_head_bf16 = njit(cache=True, fastmath=_FASTMATH, error_model="numpy")(_norm_row_bf16.py_func)
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _norm_rotate_heads_bf16(src, weight, eps, cos, sin, normed, dst):
+    """dst = each head of src (one token's q or k) normed with `weight`, then rotated;
+    `normed` is the caller's scratch for one head."""
+    head_size = normed.shape[0]
+    half = head_size // 2
+    for a in range(0, src.shape[0], head_size):
+        _norm_head_bf16(src[a:a + head_size], weight, eps, normed)
+        _rotate_head_bf16(normed[:half], normed[half:], cos, sin, dst[a:a + half], dst[a + half:a + head_size])
+
+
 @njit(cache=True, parallel=True, error_model="numpy")  # no fastmath: each product rounded, as torch
 def qk_norm_rope_rows_bf16(positions, qkv, q_heads, k_heads, head_size, q_weight, k_weight, eps, cos_cache,
                            sin_cache, q_out, k_out):
@@ -146,12 +157,6 @@ def qk_norm_rope_rows_bf16(positions, qkv, q_heads, k_heads, head_size, q_weight
         _narrow_table_row(cos_cache, positions[t], cos)
         _narrow_table_row(sin_cache, positions[t], sin)
         normed = np.empty(head_size, np.uint16)
-        for h in range(q_heads + k_heads):
-            a = h * head_size
-            if h < q_heads:
-                weight, out, b = q_weight, q_out, a
-            else:
-                weight, out, b = k_weight, k_out, a - q_heads * head_size
-            _norm_head_bf16(qkv[t, a:a + head_size], weight, eps, normed)
-            _rotate_head_bf16(normed[:half], normed[half:], cos, sin, out[t, b:b + half],
-                              out[t, b + half:b + head_size])
+        q_end = q_heads * head_size
+        _norm_rotate_heads_bf16(qkv[t, :q_end], q_weight, eps, cos, sin, normed, q_out[t])
+        _norm_rotate_heads_bf16(qkv[t, q_end:q_end + k_heads * head_size], k_weight, eps, cos, sin, normed, k_out[t])

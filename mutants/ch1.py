@@ -311,8 +311,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpu_qk_norm_rope_k_takes_q_weight",
         path=LAYER_OPS,
-        old="weight, out, b = k_weight, k_out, a - q_heads * head_size",
-        new="weight, out, b = q_weight, k_out, a - q_heads * head_size",
+        old="_norm_rotate_heads(qkv[t, q_end:q_end + k_heads * head_size], k_weight,",
+        new="_norm_rotate_heads(qkv[t, q_end:q_end + k_heads * head_size], q_weight,",
         tests=LAYER_TESTS,
         why="Qwen3's fused q/k norm + rotation normalises k's heads with q_norm's weight",
     ),
