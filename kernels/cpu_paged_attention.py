@@ -67,6 +67,12 @@ fp32 and cast to the query's dtype by torch (round to nearest even).
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
+bf16 caches on a CPU with AVX512_BF16 (and head_dim a multiple of 32) run
+the C++ kernel of `cpu_native.py` / `csrc/cpu_attn.cpp` instead, on the same
+plan of work items: its bf16 dot products are one VDPBF16PS per 32 pairs,
+which numba cannot emit. This file stays the kernel of every other case and
+the reference the C++ kernel's tests compare with.
+
 Threads and BLAS: `cpu_runtime.py` (numba's pool sized to every CPU, started
 passive on the first call, as many threads per call as torch uses; BLAS held
 to one thread while the tiled path calls it).
@@ -91,6 +97,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import cpu_native
 from .cpu_runtime import single_threaded_blas, use_torch_threads
 from .paged_checks import check_cu_seqlens_q, check_paged_attention_args, check_query
 from .validation import check_kv_cache, check_num_heads
@@ -591,6 +598,12 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
         if plan_cache is not None:
             plan_cache[key] = plan
     cu, seq_lens, tables, item_seq, item_t0, item_h0, decode_heads = plan
+    if (key_cache.dtype == torch.bfloat16 and head_dim % cpu_native.HEAD_DIM_MULTIPLE == 0
+            and cpu_native.library() is not None):  # the C++ kernel (cpu_native.py), same items
+        out = torch.empty_like(query)
+        cpu_native.run(query.detach().contiguous(), key_cache, value_cache, out, tables, cu, seq_lens, item_seq,
+                       item_t0, item_h0, tile_tokens, decode_heads, scale, nthreads)
+        return out
     # Per-thread scratch, allocated once per call (not once per item, inside the
     # loop): about 2 us of the call's fixed 25 us, so not cached across calls.
     # A decode item has decode_heads * group rows, a tile tile_tokens * group.

@@ -21,6 +21,10 @@ ALLOC = "01_paged_attention/kv_cache.py"
 CPU_KERNEL = "kernels/cpu_paged_attention.py"
 CPU_TESTS = ["tests/test_kernels_cpu_attention.py"]
 # The fused CPU layer ops and the oneDNN linear dispatch beside them.
+# The C++ kernel that runs bf16 caches where the CPU has AVX512_BF16 (kernels/cpu_native.py);
+# its mutants are caught by its own tests, which skip on other CPUs (the run says so).
+NATIVE = "kernels/csrc/cpu_attn.cpp"
+NATIVE_TESTS = ["tests/test_kernels_cpu_native.py"]
 LAYER_OPS = "kernels/cpu_layer_ops.py"
 LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
 
@@ -275,6 +279,62 @@ MUTANTS: list[Mutant] = [
         new="phys = table_row[0] + blk  # the block's physical id",
         tests=CPU_TESTS,
         why="cpu decode path: a sequence's blocks taken as consecutive ids from its first block, not from the table",
+    ),
+    Mutant(
+        name="native_causal_misses_own_token",
+        path=NATIVE,
+        old="int64_t seen = context_len + t0 + r / group - start + 1;",
+        new="int64_t seen = context_len + t0 + r / group - start;",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: a query row sees the keys before its position but not its own",
+    ),
+    Mutant(
+        name="native_reads_whole_blocks",
+        path=NATIVE,
+        old="const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);",
+        new="const int n = static_cast<int>(bs);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: the last block read in full, past seq_len (slots that were never written)",
+    ),
+    Mutant(
+        name="native_acc_not_rescaled",
+        path=NATIVE,
+        old="a[r][c] = c < nd ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c), al) : al;",
+        new="a[r][c] = c < nd ? _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c) : al;",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: what earlier blocks accumulated is not rescaled when the running max rises",
+    ),
+    Mutant(
+        name="native_sum_not_rescaled",
+        path=NATIVE,
+        old="*l = *l * alpha + _mm512_reduce_add_ps(sum);",
+        new="*l = *l + _mm512_reduce_add_ps(sum);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: the running sum is not rescaled when the running max rises",
+    ),
+    Mutant(
+        name="native_gqa_head_mapping_mod",
+        path=NATIVE,
+        old="qrow[x] = a.query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;",
+        new="qrow[x] = a.query + ((q_start + t0 + r / group) * H + (h + r % group * KVH) % H) * D;",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: query head h * group + g read as head (h + g * KVH) % H (interleaved GQA map)",
+    ),
+    Mutant(
+        name="native_decode_item_first_kv_head_only",
+        path=NATIVE,
+        old="attend_item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);",
+        new="attend_item(a, i, 0, 1, h0, h0 + 1, scratch);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: a decode item of all KV heads computes only its first",
+    ),
+    Mutant(
+        name="native_output_truncated",
+        path=NATIVE,
+        old="__m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);",
+        new="__m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_mul_epi32(odd, _mm512_setzero_si512())), 16);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel: the fp32 output cut to bf16 (toward zero), not rounded to nearest even as torch rounds",
     ),
     Mutant(
         name="cpu_add_norm_of_x",

@@ -1,0 +1,333 @@
+// Paged attention for bf16 KV caches on CPUs with AVX512_BF16: the engine's varlen batch
+// (prefill tiles, chunks and decodes), read in place from the paged cache.
+//
+// vLLM counterpart: csrc/cpu/cpu_attn.cpp and cpu_attn_impl.hpp (its CPU attention, also
+// C++ with AVX-512 / AMX intrinsics). Built and loaded by kernels/cpu_native.py; the work
+// items, their order and the threads come from kernels/cpu_paged_attention.py, whose numba
+// kernel this replaces for bf16 caches where the CPU has the instructions.
+//
+// Why C++ here: the score of a query row and a key is a dot product of two bf16 vectors.
+// VDPBF16PS multiplies 32 bf16 pairs and adds them into 16 fp32 sums in one instruction;
+// numba cannot emit it, so its loops widen every key element to fp32 first (a shift) and
+// ran the decode at about half the read bandwidth and prefills at ~30 GFLOP/s.
+//
+// Per work item (one sequence's query tokens t0..t1-1 x KV heads h0..h1-1), FlashAttention's
+// loop, one cache block per step, for each KV head and its query rows:
+//     S = scale * Q K_blk^T      (VDPBF16PS; bf16 products are exact in fp32)
+//     P = exp(S - running max)   keys in a row's future get P = 0
+//     acc = acc * alpha + P V    (V widened to fp32, fp32 FMAs)
+// Invariants (as the numba kernel's):
+// - no slot at or past the item's last visible key is read or prefetched: a block's keys
+//   stop at kv_end = context_len + t1 <= seq_len;
+// - a row's arithmetic depends only on its query, the keys and the block size, never on
+//   which item, thread or batch holds it: the thread count changes no bit;
+// - key 0 is in the first block and visible to every row, so each running max is finite
+//   from the first step on and a row that sees none of a later block is left unchanged.
+// Arithmetic: fp32 scores, softmax, accumulators; the output is rounded to bf16 to nearest
+// even, as torch's .to(torch.bfloat16) rounds.
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// The parameter block the Python side fills (cpu_native.PARAMS names each slot).
+enum Param {
+  kQuery, kKeyCache, kValueCache, kOut, kTables, kTableStride, kCuSeqlens, kSeqLens,
+  kItemSeq, kItemT0, kItemH0, kNumItems, kTileTokens, kDecodeHeads, kNumHeads, kNumKvHeads,
+  kHeadDim, kBlockSize, kScaleBits, kScratch, kScratchFloats, kCounter, kNumParams
+};
+
+struct Args {
+  const uint16_t* query;        // [tokens, num_heads, head_dim] bf16 bits
+  const uint16_t* key_cache;    // [blocks, block_size, num_kv_heads, head_dim]
+  const uint16_t* value_cache;
+  uint16_t* out;                // like query
+  const int32_t* tables;        // [seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* cu_seqlens;    // [seqs + 1]
+  const int32_t* seq_lens;      // [seqs]
+  const int64_t* item_seq;
+  const int64_t* item_t0;
+  const int64_t* item_h0;
+  int64_t num_items, tile_tokens, decode_heads, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  float* scratch;
+  int64_t scratch_floats;       // per thread
+  int64_t* counter;             // the next item to hand out
+};
+
+Args unpack(const int64_t* p) {
+  Args a;
+  a.query = reinterpret_cast<const uint16_t*>(p[kQuery]);
+  a.key_cache = reinterpret_cast<const uint16_t*>(p[kKeyCache]);
+  a.value_cache = reinterpret_cast<const uint16_t*>(p[kValueCache]);
+  a.out = reinterpret_cast<uint16_t*>(p[kOut]);
+  a.tables = reinterpret_cast<const int32_t*>(p[kTables]);
+  a.table_stride = p[kTableStride];
+  a.cu_seqlens = reinterpret_cast<const int32_t*>(p[kCuSeqlens]);
+  a.seq_lens = reinterpret_cast<const int32_t*>(p[kSeqLens]);
+  a.item_seq = reinterpret_cast<const int64_t*>(p[kItemSeq]);
+  a.item_t0 = reinterpret_cast<const int64_t*>(p[kItemT0]);
+  a.item_h0 = reinterpret_cast<const int64_t*>(p[kItemH0]);
+  a.num_items = p[kNumItems];
+  a.tile_tokens = p[kTileTokens];
+  a.decode_heads = p[kDecodeHeads];
+  a.num_heads = p[kNumHeads];
+  a.num_kv_heads = p[kNumKvHeads];
+  a.head_dim = p[kHeadDim];
+  a.block_size = p[kBlockSize];
+  uint32_t bits = static_cast<uint32_t>(p[kScaleBits]);
+  __builtin_memcpy(&a.scale, &bits, 4);
+  a.scratch = reinterpret_cast<float*>(p[kScratch]);
+  a.scratch_floats = p[kScratchFloats];
+  a.counter = reinterpret_cast<int64_t*>(p[kCounter]);
+  return a;
+}
+
+// exp(x) for x <= 0 (scores minus the running max), 16 lanes: the polynomial of the numba
+// kernel's _exp (Cephes, relative error < 1e-7), x clamped to [-87, 88].
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);    // ln 2 in two parts,
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);          // so r keeps its low bits
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 bf16 values -> 16 fp32: bf16 is the top half of an fp32.
+inline __m512 widen16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512bh load_bh(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// The sums of four 16-lane vectors, as [sum a, sum b, sum c, sum d].
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+  __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// 16 fp32 -> 16 bf16 bits at p, rounded to nearest even (torch's rounding); a NaN stays a
+// quiet NaN (rounding would carry its mantissa into the exponent).
+inline void store_bf16(uint16_t* p, __m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                          _mm512_set1_epi32(0x7f800000));
+  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+}
+
+inline void prefetch_rows(const uint16_t* first, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(first);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
+// S[r, j] = scale * q_r . k_j for the `rows` query rows q (row r at q + r * q_stride... given
+// as pointers) and keys 0..n-1 of one block and KV head (key j at k + j * k_stride).
+void scores(const uint16_t* const* q, int rows, const uint16_t* k, int64_t k_stride, int n, int64_t head_dim,
+            float scale, float* s, int64_t s_stride) {
+  const int chunks = static_cast<int>(head_dim / 32);
+  for (int j = 0; j < n; j += 4) {
+    // Four keys at a time (the last group repeats its last key): one 4-way reduction.
+    const uint16_t* k0 = k + j * k_stride;
+    const uint16_t* k1 = k + (j + 1 < n ? j + 1 : n - 1) * k_stride;
+    const uint16_t* k2 = k + (j + 2 < n ? j + 2 : n - 1) * k_stride;
+    const uint16_t* k3 = k + (j + 3 < n ? j + 3 : n - 1) * k_stride;
+    const __mmask8 tail = n - j >= 4 ? 0xf : static_cast<__mmask8>((1u << (n - j)) - 1);
+    for (int r = 0; r < rows; ++r) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int c = 0; c < chunks; ++c) {
+        __m512bh qc = load_bh(q[r] + 32 * c);
+        a0 = _mm512_dpbf16_ps(a0, qc, load_bh(k0 + 32 * c));
+        a1 = _mm512_dpbf16_ps(a1, qc, load_bh(k1 + 32 * c));
+        a2 = _mm512_dpbf16_ps(a2, qc, load_bh(k2 + 32 * c));
+        a3 = _mm512_dpbf16_ps(a3, qc, load_bh(k3 + 32 * c));
+      }
+      _mm_mask_storeu_ps(s + r * s_stride + j, tail, _mm_mul_ps(reduce4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+    }
+  }
+}
+
+// One online-softmax step of one row over its first `seen` keys of a block of n: s becomes
+// P (0 past `seen`), the running max m and sum l are updated; returns alpha, by which what
+// earlier blocks accumulated is rescaled.
+float softmax_step(float* s, int seen, int n, float* m, float* l) {
+  __m512 mx = _mm512_set1_ps(*m);
+  for (int j = 0; j < seen; j += 16) {
+    __mmask16 k = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+    mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + j));
+  }
+  float m_new = _mm512_reduce_max_ps(mx);
+  float alpha = _mm512_cvtss_f32(exp16(_mm512_set1_ps(*m - m_new)));  // *m = -inf: exp(-87), times l = 0
+  __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(m_new);
+  for (int j = 0; j < n; j += 16) {
+    int left = n - j < 16 ? n - j : 16;
+    __mmask16 all = left == 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    int vis = seen - j < 0 ? 0 : (seen - j > 16 ? 16 : seen - j);
+    __mmask16 k = vis == 16 ? 0xffff : static_cast<__mmask16>((1u << vis) - 1);
+    __m512 p = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
+    sum = _mm512_add_ps(sum, p);
+    _mm512_mask_storeu_ps(s + j, all, p);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  *m = m_new;
+  return alpha;
+}
+
+constexpr int kPvRows = 4;
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[r, j] v_j for nr <= 4 rows (row r of acc at acc + r * D,
+// of p at p + r * p_stride), keys j < n (key j at v + j * v_stride). Register-blocked: 4 rows
+// x 64 dims of acc stay in 16 registers while the keys stream past, each V row widened once
+// per 64 dims for all the rows (acc read and written once per block, not once per key).
+template <int NR>
+void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const uint16_t* v,
+              int64_t v_stride, int n, int64_t head_dim) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    const int nd = head_dim - d0 >= 64 ? 4 : static_cast<int>((head_dim - d0) / 16);
+    __m512 a[NR][4];
+    for (int r = 0; r < NR; ++r) {
+      __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int c = 0; c < 4; ++c)
+        a[r][c] = c < nd ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c), al) : al;
+    }
+    for (int j = 0; j < n; ++j) {
+      const uint16_t* vj = v + j * v_stride + d0;
+      __m512 vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = c < nd ? widen16(vj + 16 * c) : _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) {
+        __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
+        for (int c = 0; c < 4; ++c)
+          if (c < nd) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < nd; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+  }
+}
+
+void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_stride, const uint16_t* v,
+             int64_t v_stride, int n, int64_t head_dim) {
+  switch (nr) {
+    case 4: pv_block<4>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 3: pv_block<3>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 2: pv_block<2>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    default: pv_block<1>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+  }
+}
+
+// One work item: query tokens t0..t1-1 of sequence i x the query heads of KV heads h0..h1-1.
+void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, int64_t h1, float* scratch) {
+  const int64_t D = a.head_dim, bs = a.block_size, H = a.num_heads, KVH = a.num_kv_heads;
+  const int64_t group = H / KVH;
+  const int64_t q_start = a.cu_seqlens[i], q_len = a.cu_seqlens[i + 1] - q_start;
+  const int64_t context_len = a.seq_lens[i] - q_len;  // query t sits at position context_len + t
+  const int64_t kv_end = context_len + t1;             // the item's last query sees keys < kv_end
+  const int rows_per_head = static_cast<int>((t1 - t0) * group);
+  const int rows = rows_per_head * static_cast<int>(h1 - h0);
+  const int32_t* table = a.tables + i * a.table_stride;
+  const int64_t row_elems = KVH * D;                   // one slot of the cache: all KV heads
+  // Scratch (cpu_native.scratch_floats): the rows' query pointers first (8-byte aligned),
+  // then acc [rows, D], S [rows, bs], running max, running sum and alpha [rows].
+  const uint16_t** qrow = reinterpret_cast<const uint16_t**>(scratch);
+  float* acc = scratch + 2 * rows;
+  float* s = acc + rows * D;
+  float* m = s + rows * bs;
+  float* l = m + rows;
+  float* alpha = l + rows;
+  // row (kv head h, r): token t0 + r / group, query head h * group + r % group
+  for (int64_t h = h0; h < h1; ++h)
+    for (int r = 0; r < rows_per_head; ++r) {
+      int x = static_cast<int>((h - h0) * rows_per_head + r);
+      qrow[x] = a.query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      m[x] = -INFINITY;
+      l[x] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc[x * D + d] = 0.0f;
+    }
+  const int64_t num_blocks = (kv_end + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * bs;
+    const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);
+    const int64_t phys = table[b];
+    if (b + 1 < num_blocks) {  // the next block's rows of these KV heads, while this one computes
+      const int64_t next = table[b + 1], n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
+      for (int64_t j = 0; j < n_next; ++j) {
+        int64_t at = ((next * bs + j) * KVH + h0) * D;
+        prefetch_rows(a.key_cache + at, (h1 - h0) * D * 2);
+        prefetch_rows(a.value_cache + at, (h1 - h0) * D * 2);
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int x0 = static_cast<int>((h - h0) * rows_per_head);
+      const uint16_t* k = a.key_cache + (phys * bs * KVH + h) * D;
+      const uint16_t* v = a.value_cache + (phys * bs * KVH + h) * D;
+      // The first row that sees any key of this block (rows are ordered by token).
+      int first = 0;
+      while (first < rows_per_head && context_len + t0 + first / group - start + 1 <= 0) ++first;
+      if (first == rows_per_head) continue;
+      scores(qrow + x0 + first, rows_per_head - first, k, row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
+      for (int r = first; r < rows_per_head; ++r) {
+        int64_t seen = context_len + t0 + r / group - start + 1;
+        int x = x0 + r;
+        alpha[x] = softmax_step(s + x * bs, static_cast<int>(seen < n ? seen : n), n, m + x, l + x);
+      }
+      // acc = acc * alpha + P V, four rows at a time. Masked keys add 0 * v, and v is a
+      // real key's value (j < n <= kv_end), never a NaN slot.
+      for (int r = first; r < rows_per_head; r += kPvRows) {
+        const int x = x0 + r, nr = rows_per_head - r < kPvRows ? rows_per_head - r : kPvRows;
+        pv_rows(nr, acc + x * D, alpha + x, s + x * bs, bs, v, row_elems, n, D);
+      }
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int r = 0; r < rows_per_head; ++r) {
+      int x = static_cast<int>((h - h0) * rows_per_head + r);
+      float inv = 1.0f / l[x];  // l >= 1: the row saw its own max
+      uint16_t* o = a.out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      for (int64_t d = 0; d < D; d += 16) store_bf16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), _mm512_set1_ps(inv)));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The number of parameter slots the caller must fill (checked once at load).
+int64_t mini_vllm_attn_num_params() { return kNumParams; }
+
+// Worker w: takes the next unstarted item from the shared counter until none is left. The
+// Python side calls it once per thread (numba's prange), or directly with one thread.
+void mini_vllm_attn_worker(const int64_t* params, int64_t w) {
+  const Args a = unpack(params);
+  float* scratch = a.scratch + w * a.scratch_floats;
+  for (int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED); it < a.num_items;
+       it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED)) {
+    const int64_t i = a.item_seq[it], t0 = a.item_t0[it], h0 = a.item_h0[it];
+    const int64_t q_len = a.cu_seqlens[i + 1] - a.cu_seqlens[i];
+    if (q_len == 1 && a.decode_heads > 0)
+      attend_item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);
+    else
+      attend_item(a, i, t0, t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len, h0, h0 + 1, scratch);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,212 @@
+"""The C++ paged-attention kernel for bf16 caches (`kernels/csrc/cpu_attn.cpp`) against the
+dense oracle, Chapter 1's reference and the numba kernel it replaces.
+
+Same method as test_kernels_cpu_attention.py: the tests build the paged cache
+themselves and fill every other slot with NaN, so a read past seq_len, of an
+unused block or of a -1 table entry shows as NaN. The cases run at head_dim 32,
+64 and 128 (the kernel's VDPBF16PS takes 32 bf16 of a row at a time; Qwen3's
+attention is 16 query / 8 KV heads of 128). On a CPU without AVX512_BF16 the
+tests that need the kernel are skipped, and those about the fallback still run.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mini_vllm import paged_attention as ref
+from mini_vllm.kernels import cpu_native, cpu_paged_attention as cpa
+from kernel_cases import build_cache, scrambled_layout, torch_threads
+from oracles import dense_causal_attention
+from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, ragged_batches
+
+REASON = cpu_native.unavailable_reason()
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"the C++ kernel cannot run here: {REASON}")
+TOL = 2e-2  # bf16 output: a few roundings of 2**-8, as the numba kernel's bf16 tests
+
+
+def run(batch, layout, shape, seed=0, scale=None, values=None):
+    """The kernel on one batch; returns (out, the inputs) after checking out against the
+    dense float64 oracle per sequence and against Chapter 1's reference."""
+    key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, torch.bfloat16, seed,
+                                                                       values)
+    scale = scale or shape.head_dim ** -0.5
+    cu = torch.tensor(batch.cu_seqlens_q, dtype=torch.int32)
+    query = torch.cat(qs)
+    out = cpa.paged_attention_varlen(query, key_cache, value_cache, tables, cu, seq_lens, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape, "output must have query's shape and dtype"
+    assert not torch.isnan(out).any(), "NaN in output: a slot past seq_len, an unused block or a -1 entry was read"
+    for i in range(batch.num_seqs):
+        want = dense_causal_attention(qs[i], ks[i], vs[i], scale)
+        err = (out[cu[i]:cu[i + 1]].float() - want.float()).abs().max().item()
+        assert err <= TOL, (f"seq {i} (seq_len {batch.seq_lens[i]}, q_len {batch.q_lens[i]}, block "
+                            f"{layout.block_size}, heads {shape.num_heads}/{shape.num_kv_heads}, d {shape.head_dim}): "
+                            f"error {err:.3g} (causal offset, GQA head map, block lookup or rescale?)")
+    expected = ref.paged_attention_varlen(query, key_cache, value_cache, tables, cu, seq_lens, scale)
+    assert (out.float() - expected.float()).abs().max().item() <= TOL, "C++ kernel vs Chapter 1's reference"
+    return out, (query, key_cache, value_cache, tables, cu, seq_lens, scale)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The number of calls that reached the C++ kernel."""
+    seen = []
+    real = cpu_native.run
+    monkeypatch.setattr(cpu_native, "run", lambda *a, **k: seen.append(1) or real(*a, **k))
+    return seen
+
+
+@needs_native
+def test_bf16_calls_take_the_cpp_kernel_and_others_do_not(calls):
+    batch = RaggedBatch(seq_lens=(40, 7), q_lens=(1, 7))
+    layout = scrambled_layout(batch.seq_lens, 16, seed=1)
+    run(batch, layout, GQAShape(4, 2, 32))
+    assert len(calls) == 1, "a bf16 cache with head_dim 32 must run the C++ kernel"
+    for dtype, head_dim in ((torch.float32, 32), (torch.float16, 32), (torch.bfloat16, 16)):
+        k, v, tables, seq_lens, _, _, qs = build_cache(batch, layout, GQAShape(4, 2, head_dim), dtype, 0)
+        cpa.paged_attention_varlen(torch.cat(qs), k, v, tables, torch.tensor(batch.cu_seqlens_q, dtype=torch.int32),
+                                   seq_lens, 0.25)
+    assert len(calls) == 1, "fp32 / fp16 caches and head_dim 16 must stay on the numba kernel"
+
+
+# A decode, a whole prefill (not a multiple of any block size) and a chunk after 29
+# earlier positions, as the numba kernel's MIXED batch.
+MIXED = RaggedBatch(seq_lens=(13, 37, 40), q_lens=(1, 37, 11))
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", (32, 64, 128))
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8, 16))
+def test_every_gqa_ratio_block_size_and_head_dim(ratio, block_size, head_dim, calls):
+    run(MIXED, scrambled_layout(MIXED.seq_lens, block_size, seed=ratio + block_size), GQAShape(2 * ratio, 2, head_dim),
+        seed=ratio)
+    assert calls, "the case did not reach the C++ kernel"
+
+
+@needs_native
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8, 16))
+def test_decodes_around_block_boundaries(ratio):
+    """Context lengths of one token, a block but one, one block (where the prefetch of the
+    next block must stop), one past, two blocks and one past, and a longer one; 16 query
+    heads per KV head take the tiled items (DECODE_MAX_GROUP)."""
+    for block_size in (16, 32):
+        lens = (1, block_size - 1, block_size, block_size + 1, 2 * block_size, 2 * block_size + 1, 3 * block_size + 5)
+        batch = RaggedBatch(seq_lens=lens, q_lens=(1,) * len(lens))
+        layout = scrambled_layout(lens, block_size, seed=ratio)
+        out, args = run(batch, layout, GQAShape(2 * ratio, 2, 64), seed=ratio)
+        query, k, v, tables, _, seq_lens, scale = args
+        assert torch.equal(cpa.paged_attention_decode(query, k, v, tables, seq_lens, scale), out), \
+            "paged_attention_decode and paged_attention_varlen differ on a decode batch"
+
+
+@needs_native
+@pytest.mark.parametrize("q_lens", [(1, 1, 1), (70, 33, 8)], ids=["decodes", "prefills"])
+def test_the_running_max_rises_at_every_block(q_lens):
+    """Positive q and k growing with the position: each block's scores exceed the last
+    block's, so every step must rescale what the earlier blocks accumulated (a kernel that
+    skipped it would weigh early keys up to e^8 too much)."""
+    g = torch.Generator().manual_seed(7)
+    growing = lambda n, h: torch.rand(n, h, 32, generator=g) * torch.linspace(1, 3, n)[:, None, None]  # noqa: E731
+    batch = RaggedBatch(seq_lens=(70, 33, 8), q_lens=q_lens)
+    for ratio in (1, 2, 8):
+        run(batch, scrambled_layout(batch.seq_lens, 8, seed=ratio), GQAShape(2 * ratio, 2, 32), seed=ratio,
+            scale=1.0, values=growing)
+
+
+@needs_native
+def test_large_logits_need_the_running_max():
+    """Scores in the hundreds: exp without subtracting the running max overflows to inf."""
+    big = lambda n, h: torch.randn(n, h, 32, generator=torch.Generator().manual_seed(n)) * 12  # noqa: E731
+    batch = RaggedBatch(seq_lens=(50, 20), q_lens=(1, 20))
+    run(batch, scrambled_layout(batch.seq_lens, 16, seed=2), GQAShape(4, 2, 32), scale=1.0, values=big)
+
+
+@needs_native
+def test_one_and_two_threads_give_identical_bits(monkeypatch):
+    """Each item is one thread's, in a fixed order, and a row's arithmetic does not depend
+    on its item: two threads (and decodes split per KV head) give one thread's bits."""
+    lens = [(60 + 37 * i) % 300 + 1 for i in range(24)]
+    batch = RaggedBatch(seq_lens=tuple(lens), q_lens=tuple(s if i % 6 == 0 else 1 for i, s in enumerate(lens)))
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
+    with torch_threads(1):
+        one, args = run(batch, scrambled_layout(batch.seq_lens, 16, seed=3), GQAShape(16, 8, 128), seed=3)
+    with torch_threads(2):
+        for _ in range(3):
+            assert torch.equal(one, cpa.paged_attention_varlen(*args)), "1 and 2 threads disagree (shared scratch?)"
+    few = RaggedBatch(seq_lens=(300, 77, 32), q_lens=(1, 1, 1))  # 3 decodes on 2 threads: one item per KV head
+    with torch_threads(1):
+        one, args = run(few, scrambled_layout(few.seq_lens, 16, seed=4), GQAShape(8, 4, 64), seed=4)
+    with torch_threads(2):
+        assert torch.equal(one, cpa.paged_attention_varlen(*args)), "decode items split per KV head change the bits"
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_ragged_batches_against_the_numba_kernel(data):
+    """Random ragged batches and block layouts: the C++ kernel against the oracle, and
+    within bf16 rounding of the numba kernel on the same inputs."""
+    batch = data.draw(ragged_batches(max_seqs=5, max_seq_len=90))
+    layout = data.draw(block_layouts(batch.seq_lens, data.draw(block_sizes())))
+    ratio = data.draw(st.sampled_from((1, 2, 4)))
+    out, args = run(batch, layout, GQAShape(2 * ratio, 2, data.draw(st.sampled_from((32, 64)))),
+                    seed=data.draw(st.integers(0, 2**16)))
+    numba_out = _numba_only(args)
+    assert (out.float() - numba_out.float()).abs().max().item() <= TOL, "C++ and numba kernels disagree"
+
+
+def _numba_only(args):
+    real = cpu_native.library
+    cpu_native.library = lambda: None
+    try:
+        return cpa.paged_attention_varlen(*args)
+    finally:
+        cpu_native.library = real
+
+
+def test_a_failed_build_falls_back_to_numba_with_a_warning(monkeypatch, caplog, calls):
+    """A compiler that fails: one warning naming the failure, and the numba kernel's result."""
+    if REASON is not None and "compiler" not in REASON:
+        pytest.skip(f"the C++ kernel cannot run here anyway: {REASON}")
+    monkeypatch.setenv("CXX", "false")  # exits 1 without writing anything
+    monkeypatch.setattr(cpu_native, "_state", {})
+    batch = RaggedBatch(seq_lens=(20,), q_lens=(20,))
+    with caplog.at_level("WARNING", logger="mini_vllm"):
+        run(batch, scrambled_layout(batch.seq_lens, 8, seed=0), GQAShape(4, 2, 32))
+        run(batch, scrambled_layout(batch.seq_lens, 8, seed=0), GQAShape(4, 2, 32))
+    warnings = [r for r in caplog.records if "C++ attention kernel is unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "false" in warnings[0].getMessage(), \
+        "a failed build must be reported once, naming the command that failed"
+    assert cpu_native.library() is None and not calls, "after a failed build every call must run the numba kernel"
+
+
+def test_an_unknown_choice_is_refused_at_import():
+    env = dict(os.environ, MINI_VLLM_CPU_ATTN="cpp")
+    out = subprocess.run([sys.executable, "-c", "import mini_vllm.kernels.cpu_native"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "MINI_VLLM_CPU_ATTN must be one of ('auto', 'numba')" in out.stderr, \
+        "an unknown MINI_VLLM_CPU_ATTN must be refused by name, not ignored"
+
+
+def test_numba_choice_and_held_back_isa_keep_the_numba_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_native, "CPU_ATTN", "numba")
+    assert cpu_native.unavailable_reason() == "MINI_VLLM_CPU_ATTN=numba"
+    monkeypatch.setattr(cpu_native, "CPU_ATTN", "auto")
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    assert "haswell" in cpu_native.unavailable_reason(), "an AVX2 build (AVX2_ONLY_ENV) must not load AVX-512 code"
+
+
+@needs_native
+def test_output_rounds_to_nearest_even_as_torch_does():
+    """The numba kernel returns fp32 and torch rounds it to bf16 (nearest even). The C++
+    kernel rounds its own fp32 accumulator: both sum the same products in fp32, so nearly
+    every output has the same bits. A kernel that cut the fp32 value to bf16 (toward zero)
+    would differ in about half of them."""
+    lens = tuple(range(40, 200, 10))
+    batch = RaggedBatch(seq_lens=lens, q_lens=tuple(n if i % 4 == 0 else 1 for i, n in enumerate(lens)))
+    out, args = run(batch, scrambled_layout(batch.seq_lens, 32, seed=6), GQAShape(16, 8, 128), seed=6)
+    same = (out.view(torch.int16) == _numba_only(args).view(torch.int16)).float().mean().item()
+    assert same >= 0.95, f"only {same:.1%} of outputs have the numba kernel's bits: not rounded to nearest even?"
