@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import numba
+import torch
 from llvmlite import binding as llvm_binding
 from numba import njit, prange, types
 
@@ -56,12 +57,15 @@ ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf1
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", *ISA_FLAGS)
 # LLVM's names for the features the flags above let the compiler use.
 REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma")
-HEAD_DIM_MULTIPLE = 32  # one VDPBF16PS takes 32 bf16 of a row
+# The cache dtypes it reads (`enum Dtype` in the C++ file), and the head_dim each needs a
+# multiple of: one VDPBF16PS takes 32 bf16 of a row, one FMA 16 fp32.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 
 # The parameter block's slots, in the order of `enum Param` in the C++ file.
 PARAMS = ("query", "key_cache", "value_cache", "out", "tables", "table_stride", "cu_seqlens", "seq_lens",
           "item_seq", "item_t0", "item_h0", "num_items", "tile_tokens", "decode_heads", "num_heads",
-          "num_kv_heads", "head_dim", "block_size", "scale_bits", "scratch", "scratch_floats", "counter")
+          "num_kv_heads", "head_dim", "block_size", "scale_bits", "scratch", "scratch_floats", "counter", "dtype")
 
 _CHOICES = ("auto", "numba")
 CPU_ATTN = os.environ.get("MINI_VLLM_CPU_ATTN", "auto")
@@ -76,6 +80,11 @@ def scratch_floats(rows: int, head_dim: int, block_size: int) -> int:
     pointers stay 8-byte aligned."""
     n = rows * (2 + head_dim + block_size + 3)
     return n + (n & 1)
+
+
+def handles(dtype: torch.dtype, head_dim: int) -> bool:
+    """Does the C++ kernel run this call (the library loaded, a cache dtype and head_dim it reads)?"""
+    return dtype in DTYPES and head_dim % HEAD_DIM_MULTIPLE[dtype] == 0 and library() is not None
 
 
 def unavailable_reason() -> str | None:
@@ -180,7 +189,8 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
         item_seq: np.ndarray, item_t0: np.ndarray, item_h0: np.ndarray, tile_tokens: int, decode_heads: int,
         scale: float, nthreads: int) -> None:
     """out = attention over the plan's items (see cpu_paged_attention.run_varlen, which
-    checked everything): query, caches and out contiguous bf16 tensors; tables, cu and
+    checked everything): query, caches and out contiguous tensors of one dtype that
+    `handles`; tables, cu and
     seq_lens integer numpy arrays, the items int64 ones (the plan's)."""
     lib = library()
     # The C++ side reads int32 tables and lengths (the engine's dtype; tests may pass int64).
@@ -196,7 +206,7 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
                        item_seq.ctypes.data, item_t0.ctypes.data, item_h0.ctypes.data, item_seq.shape[0],
                        tile_tokens, decode_heads, num_heads, num_kv_heads, head_dim, block_size,
                        struct.unpack("<I", struct.pack("<f", scale))[0], scratch.ctypes.data, per_thread,
-                       counter.ctypes.data), np.int64)
+                       counter.ctypes.data, DTYPES[key_cache.dtype]), np.int64)
     if nthreads == 1:
         lib.mini_vllm_attn_worker(params.ctypes.data, 0)
     else:

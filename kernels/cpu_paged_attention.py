@@ -598,8 +598,7 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
         if plan_cache is not None:
             plan_cache[key] = plan
     cu, seq_lens, tables, item_seq, item_t0, item_h0, decode_heads = plan
-    if (key_cache.dtype == torch.bfloat16 and head_dim % cpu_native.HEAD_DIM_MULTIPLE == 0
-            and cpu_native.library() is not None):  # the C++ kernel (cpu_native.py), same items
+    if cpu_native.handles(key_cache.dtype, head_dim):  # the C++ kernel (cpu_native.py), same items
         out = torch.empty_like(query)
         cpu_native.run(query.detach().contiguous(), key_cache, value_cache, out, tables, cu, seq_lens, item_seq,
                        item_t0, item_h0, tile_tokens, decode_heads, scale, nthreads)

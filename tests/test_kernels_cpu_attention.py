@@ -26,13 +26,23 @@ from hypothesis import given, strategies as st
 from mini_vllm import paged_attention as ref
 from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.attention.metadata import AttentionMetadata
-from mini_vllm.kernels import cpu_paged_attention as cpa
+from mini_vllm.kernels import cpu_native, cpu_paged_attention as cpa
 from mini_vllm.kernels.cpu_paged_attention import paged_attention_decode, paged_attention_varlen
 from kernel_cases import BAD, BAD_VARLEN, build_cache, good_args, raised_message, scrambled_layout, torch_threads
 from oracles import dense_causal_attention
 from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def numba_kernel_only():
+    """This file tests the numba kernel: where the C++ kernel would take fp32 and bf16
+    calls (kernels/cpu_native.py, tested in test_kernels_cpu_native.py), it is switched
+    off here, so every case runs the numba loops on every CPU."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_native, "library", lambda: None)
+        yield
 
 
 def assert_close(out, expected, dtype, what):

@@ -35,14 +35,14 @@ namespace {
 enum Param {
   kQuery, kKeyCache, kValueCache, kOut, kTables, kTableStride, kCuSeqlens, kSeqLens,
   kItemSeq, kItemT0, kItemH0, kNumItems, kTileTokens, kDecodeHeads, kNumHeads, kNumKvHeads,
-  kHeadDim, kBlockSize, kScaleBits, kScratch, kScratchFloats, kCounter, kNumParams
+  kHeadDim, kBlockSize, kScaleBits, kScratch, kScratchFloats, kCounter, kDtype, kNumParams
 };
 
 struct Args {
-  const uint16_t* query;        // [tokens, num_heads, head_dim] bf16 bits
-  const uint16_t* key_cache;    // [blocks, block_size, num_kv_heads, head_dim]
-  const uint16_t* value_cache;
-  uint16_t* out;                // like query
+  const void* query;            // [tokens, num_heads, head_dim], the caches' dtype
+  const void* key_cache;        // [blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;
+  void* out;                    // like query
   const int32_t* tables;        // [seqs, table_stride]
   int64_t table_stride;
   const int32_t* cu_seqlens;    // [seqs + 1]
@@ -55,14 +55,17 @@ struct Args {
   float* scratch;
   int64_t scratch_floats;       // per thread
   int64_t* counter;             // the next item to hand out
+  int64_t dtype;                // kFp32 or kBf16
 };
+
+enum Dtype { kFp32 = 0, kBf16 = 1 };
 
 Args unpack(const int64_t* p) {
   Args a;
-  a.query = reinterpret_cast<const uint16_t*>(p[kQuery]);
-  a.key_cache = reinterpret_cast<const uint16_t*>(p[kKeyCache]);
-  a.value_cache = reinterpret_cast<const uint16_t*>(p[kValueCache]);
-  a.out = reinterpret_cast<uint16_t*>(p[kOut]);
+  a.query = reinterpret_cast<const void*>(p[kQuery]);
+  a.key_cache = reinterpret_cast<const void*>(p[kKeyCache]);
+  a.value_cache = reinterpret_cast<const void*>(p[kValueCache]);
+  a.out = reinterpret_cast<void*>(p[kOut]);
   a.tables = reinterpret_cast<const int32_t*>(p[kTables]);
   a.table_stride = p[kTableStride];
   a.cu_seqlens = reinterpret_cast<const int32_t*>(p[kCuSeqlens]);
@@ -82,6 +85,7 @@ Args unpack(const int64_t* p) {
   a.scratch = reinterpret_cast<float*>(p[kScratch]);
   a.scratch_floats = p[kScratchFloats];
   a.counter = reinterpret_cast<int64_t*>(p[kCounter]);
+  a.dtype = p[kDtype];
   return a;
 }
 
@@ -136,31 +140,55 @@ inline void store_bf16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
 }
 
-inline void prefetch_rows(const uint16_t* first, int64_t bytes) {
+// How each cache format is read and written. bf16: dot products with VDPBF16PS (32 pairs
+// an instruction; bf16 products are exact in fp32), values widened by a shift. fp32: FMAs,
+// 16 an instruction. Both accumulate in fp32.
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kDotWidth = 32;  // elements of a row one dot step takes
+  static __m512 dot(__m512 acc, const T* q, const T* k) { return _mm512_dpbf16_ps(acc, load_bh(q), load_bh(k)); }
+  static __m512 load16(const T* p) { return widen16(p); }
+  static void store16(T* p, __m512 x) { store_bf16(p, x); }
+};
+
+struct Fp32 {
+  using T = float;
+  static constexpr int kDotWidth = 16;
+  static __m512 dot(__m512 acc, const T* q, const T* k) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k), acc);
+  }
+  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
+  static void store16(T* p, __m512 x) { _mm512_storeu_ps(p, x); }
+};
+
+inline void prefetch_rows(const void* first, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(first);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // S[r, j] = scale * q_r . k_j for the `rows` query rows q (row r at q + r * q_stride... given
 // as pointers) and keys 0..n-1 of one block and KV head (key j at k + j * k_stride).
-void scores(const uint16_t* const* q, int rows, const uint16_t* k, int64_t k_stride, int n, int64_t head_dim,
-            float scale, float* s, int64_t s_stride) {
-  const int chunks = static_cast<int>(head_dim / 32);
+template <class E>
+void scores(const typename E::T* const* q, int rows, const typename E::T* k, int64_t k_stride, int n,
+            int64_t head_dim, float scale, float* s, int64_t s_stride) {
+  using T = typename E::T;
+  constexpr int W = E::kDotWidth;
+  const int chunks = static_cast<int>(head_dim / W);
   for (int j = 0; j < n; j += 4) {
     // Four keys at a time (the last group repeats its last key): one 4-way reduction.
-    const uint16_t* k0 = k + j * k_stride;
-    const uint16_t* k1 = k + (j + 1 < n ? j + 1 : n - 1) * k_stride;
-    const uint16_t* k2 = k + (j + 2 < n ? j + 2 : n - 1) * k_stride;
-    const uint16_t* k3 = k + (j + 3 < n ? j + 3 : n - 1) * k_stride;
+    const T* k0 = k + j * k_stride;
+    const T* k1 = k + (j + 1 < n ? j + 1 : n - 1) * k_stride;
+    const T* k2 = k + (j + 2 < n ? j + 2 : n - 1) * k_stride;
+    const T* k3 = k + (j + 3 < n ? j + 3 : n - 1) * k_stride;
     const __mmask8 tail = n - j >= 4 ? 0xf : static_cast<__mmask8>((1u << (n - j)) - 1);
     for (int r = 0; r < rows; ++r) {
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int c = 0; c < chunks; ++c) {
-        __m512bh qc = load_bh(q[r] + 32 * c);
-        a0 = _mm512_dpbf16_ps(a0, qc, load_bh(k0 + 32 * c));
-        a1 = _mm512_dpbf16_ps(a1, qc, load_bh(k1 + 32 * c));
-        a2 = _mm512_dpbf16_ps(a2, qc, load_bh(k2 + 32 * c));
-        a3 = _mm512_dpbf16_ps(a3, qc, load_bh(k3 + 32 * c));
+        const T* qc = q[r] + W * c;
+        a0 = E::dot(a0, qc, k0 + W * c);
+        a1 = E::dot(a1, qc, k1 + W * c);
+        a2 = E::dot(a2, qc, k2 + W * c);
+        a3 = E::dot(a3, qc, k3 + W * c);
       }
       _mm_mask_storeu_ps(s + r * s_stride + j, tail, _mm_mul_ps(reduce4(a0, a1, a2, a3), _mm_set1_ps(scale)));
     }
@@ -199,8 +227,8 @@ constexpr int kPvRows = 4;
 // of p at p + r * p_stride), keys j < n (key j at v + j * v_stride). Register-blocked: 4 rows
 // x 64 dims of acc stay in 16 registers while the keys stream past, each V row widened once
 // per 64 dims for all the rows (acc read and written once per block, not once per key).
-template <int NR>
-void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const uint16_t* v,
+template <class E, int NR>
+void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::T* v,
               int64_t v_stride, int n, int64_t head_dim) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
     const int nd = head_dim - d0 >= 64 ? 4 : static_cast<int>((head_dim - d0) / 16);
@@ -211,9 +239,9 @@ void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, 
         a[r][c] = c < nd ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c), al) : al;
     }
     for (int j = 0; j < n; ++j) {
-      const uint16_t* vj = v + j * v_stride + d0;
+      const typename E::T* vj = v + j * v_stride + d0;
       __m512 vv[4];
-      for (int c = 0; c < 4; ++c) vv[c] = c < nd ? widen16(vj + 16 * c) : _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) vv[c] = c < nd ? E::load16(vj + 16 * c) : _mm512_setzero_ps();
       for (int r = 0; r < NR; ++r) {
         __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
         for (int c = 0; c < 4; ++c)
@@ -225,18 +253,25 @@ void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, 
   }
 }
 
-void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_stride, const uint16_t* v,
+template <class E>
+void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::T* v,
              int64_t v_stride, int n, int64_t head_dim) {
   switch (nr) {
-    case 4: pv_block<4>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    case 3: pv_block<3>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    case 2: pv_block<2>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    default: pv_block<1>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 4: pv_block<E, 4>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 3: pv_block<E, 3>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 2: pv_block<E, 2>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    default: pv_block<E, 1>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
   }
 }
 
 // One work item: query tokens t0..t1-1 of sequence i x the query heads of KV heads h0..h1-1.
+template <class E>
 void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, int64_t h1, float* scratch) {
+  using T = typename E::T;
+  const T* query = static_cast<const T*>(a.query);
+  const T* key_cache = static_cast<const T*>(a.key_cache);
+  const T* value_cache = static_cast<const T*>(a.value_cache);
+  T* out = static_cast<T*>(a.out);
   const int64_t D = a.head_dim, bs = a.block_size, H = a.num_heads, KVH = a.num_kv_heads;
   const int64_t group = H / KVH;
   const int64_t q_start = a.cu_seqlens[i], q_len = a.cu_seqlens[i + 1] - q_start;
@@ -248,7 +283,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
   const int64_t row_elems = KVH * D;                   // one slot of the cache: all KV heads
   // Scratch (cpu_native.scratch_floats): the rows' query pointers first (8-byte aligned),
   // then acc [rows, D], S [rows, bs], running max, running sum and alpha [rows].
-  const uint16_t** qrow = reinterpret_cast<const uint16_t**>(scratch);
+  const T** qrow = reinterpret_cast<const T**>(scratch);
   float* acc = scratch + 2 * rows;
   float* s = acc + rows * D;
   float* m = s + rows * bs;
@@ -258,7 +293,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
   for (int64_t h = h0; h < h1; ++h)
     for (int r = 0; r < rows_per_head; ++r) {
       int x = static_cast<int>((h - h0) * rows_per_head + r);
-      qrow[x] = a.query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      qrow[x] = query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
       m[x] = -INFINITY;
       l[x] = 0.0f;
       for (int64_t d = 0; d < D; ++d) acc[x * D + d] = 0.0f;
@@ -272,19 +307,19 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       const int64_t next = table[b + 1], n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
       for (int64_t j = 0; j < n_next; ++j) {
         int64_t at = ((next * bs + j) * KVH + h0) * D;
-        prefetch_rows(a.key_cache + at, (h1 - h0) * D * 2);
-        prefetch_rows(a.value_cache + at, (h1 - h0) * D * 2);
+        prefetch_rows(key_cache + at, (h1 - h0) * D * static_cast<int64_t>(sizeof(T)));
+        prefetch_rows(value_cache + at, (h1 - h0) * D * static_cast<int64_t>(sizeof(T)));
       }
     }
     for (int64_t h = h0; h < h1; ++h) {
       const int x0 = static_cast<int>((h - h0) * rows_per_head);
-      const uint16_t* k = a.key_cache + (phys * bs * KVH + h) * D;
-      const uint16_t* v = a.value_cache + (phys * bs * KVH + h) * D;
+      const T* k = key_cache + (phys * bs * KVH + h) * D;
+      const T* v = value_cache + (phys * bs * KVH + h) * D;
       // The first row that sees any key of this block (rows are ordered by token).
       int first = 0;
       while (first < rows_per_head && context_len + t0 + first / group - start + 1 <= 0) ++first;
       if (first == rows_per_head) continue;
-      scores(qrow + x0 + first, rows_per_head - first, k, row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
+      scores<E>(qrow + x0 + first, rows_per_head - first, k, row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
       for (int r = first; r < rows_per_head; ++r) {
         int64_t seen = context_len + t0 + r / group - start + 1;
         int x = x0 + r;
@@ -294,7 +329,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       // real key's value (j < n <= kv_end), never a NaN slot.
       for (int r = first; r < rows_per_head; r += kPvRows) {
         const int x = x0 + r, nr = rows_per_head - r < kPvRows ? rows_per_head - r : kPvRows;
-        pv_rows(nr, acc + x * D, alpha + x, s + x * bs, bs, v, row_elems, n, D);
+        pv_rows<E>(nr, acc + x * D, alpha + x, s + x * bs, bs, v, row_elems, n, D);
       }
     }
   }
@@ -302,8 +337,8 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
     for (int r = 0; r < rows_per_head; ++r) {
       int x = static_cast<int>((h - h0) * rows_per_head + r);
       float inv = 1.0f / l[x];  // l >= 1: the row saw its own max
-      uint16_t* o = a.out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
-      for (int64_t d = 0; d < D; d += 16) store_bf16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), _mm512_set1_ps(inv)));
+      T* o = out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      for (int64_t d = 0; d < D; d += 16) E::store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), _mm512_set1_ps(inv)));
     }
 }
 
@@ -323,10 +358,11 @@ void mini_vllm_attn_worker(const int64_t* params, int64_t w) {
        it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED)) {
     const int64_t i = a.item_seq[it], t0 = a.item_t0[it], h0 = a.item_h0[it];
     const int64_t q_len = a.cu_seqlens[i + 1] - a.cu_seqlens[i];
+    const auto item = a.dtype == kBf16 ? attend_item<Bf16> : attend_item<Fp32>;
     if (q_len == 1 && a.decode_heads > 0)
-      attend_item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);
+      item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);
     else
-      attend_item(a, i, t0, t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len, h0, h0 + 1, scratch);
+      item(a, i, t0, t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len, h0, h0 + 1, scratch);
   }
 }
 
