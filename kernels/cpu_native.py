@@ -75,10 +75,14 @@ if CPU_ATTN not in _CHOICES:
 
 def scratch_floats(rows: int, head_dim: int, block_size: int) -> int:
     """Per-thread scratch of an item of `rows` query rows, in floats, as the C++ side lays
-    it out: the rows' query pointers (two floats each), acc [rows, head_dim], S [rows,
-    block_size], running max, running sum and alpha [rows]; even, so that every thread's
-    pointers stay 8-byte aligned."""
-    n = rows * (2 + head_dim + block_size + 3)
+    it out, the larger of its two paths: attend_item's query pointers (two floats each),
+    acc [rows, head_dim], S [rows, block_size], running max, sum and alpha [rows]; and
+    attend_tile's, with rows padded to 16 lanes: pointers, transposed q and acc [head_dim,
+    rows], max and sum, P [block_size, 16] and a block of V in fp32. Even, so that every
+    thread's pointers stay 8-byte aligned."""
+    n = rows * (2 + head_dim + block_size + 3)  # attend_item
+    rows_p = -(-rows // 16) * 16
+    n = max(n, rows_p * (2 + 2 * head_dim + 2) + 16 * block_size + block_size * head_dim)  # attend_tile
     return n + (n & 1)
 
 

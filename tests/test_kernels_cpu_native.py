@@ -115,13 +115,15 @@ def test_decodes_around_block_boundaries(ratio, dtype):
 def test_the_running_max_rises_at_every_block(q_lens, dtype):
     """Positive q and k growing with the position: each block's scores exceed the last
     block's, so every step must rescale what the earlier blocks accumulated (a kernel that
-    skipped it would weigh early keys up to e^8 too much)."""
+    skipped it would weigh early keys several times too much). Scale 0.25: at scale 1 the
+    70-token prefill's scores reach the hundreds, where fp32 sums of 32 products (the
+    reference's too) drift more than 1e-5 from the float64 oracle."""
     g = torch.Generator().manual_seed(7)
     growing = lambda n, h: torch.rand(n, h, 32, generator=g) * torch.linspace(1, 3, n)[:, None, None]  # noqa: E731
     batch = RaggedBatch(seq_lens=(70, 33, 8), q_lens=q_lens)
     for ratio in (1, 2, 8):
         run(batch, scrambled_layout(batch.seq_lens, 8, seed=ratio), GQAShape(2 * ratio, 2, 32), seed=ratio,
-            scale=1.0, values=growing, dtype=dtype)
+            scale=0.25, values=growing, dtype=dtype)
 
 
 @needs_native

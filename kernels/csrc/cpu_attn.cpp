@@ -222,6 +222,7 @@ float softmax_step(float* s, int seen, int n, float* m, float* l) {
 }
 
 constexpr int kPvRows = 4;
+constexpr int kLaneRows = 16;  // items with at least this many query rows take attend_tile
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r, j] v_j for nr <= 4 rows (row r of acc at acc + r * D,
 // of p at p + r * p_stride), keys j < n (key j at v + j * v_stride). Register-blocked: 4 rows
@@ -261,6 +262,165 @@ void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_s
     case 3: pv_block<E, 3>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
     case 2: pv_block<E, 2>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
     default: pv_block<E, 1>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+  }
+}
+
+// The query rows of a tile, transposed so that 16 rows sit in the 16 lanes of a register:
+// fp32 as Qt[d][row]; bf16 as pairs of dims, Qt[d / 2][row][2], the layout VDPBF16PS reads.
+inline void transpose_q(const float* const* q, int rows, int rows_p, int64_t D, float* qt) {
+  for (int r = 0; r < rows_p; ++r)  // row by row: each row read once, contiguously
+    for (int64_t d = 0; d < D; ++d) qt[d * rows_p + r] = r < rows ? q[r][d] : 0.0f;
+}
+
+inline void transpose_q(const uint16_t* const* q, int rows, int rows_p, int64_t D, float* qt) {
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(qt);  // one (q[d], q[d + 1]) pair per 32 bits
+  for (int r = 0; r < rows_p; ++r)  // row by row: each row read once, contiguously
+    for (int64_t p = 0; p < D / 2; ++p) {
+      uint32_t pair = 0;
+      if (r < rows) __builtin_memcpy(&pair, q[r] + 2 * p, 4);
+      pairs[p * rows_p + r] = pair;
+    }
+}
+
+// Scores of 16 rows (lanes) and four keys: S[j][lanes] = q_lanes . k_j.
+inline void scores16x4(const float* qt, int rows_p, const float* const* k, int64_t D, __m512* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qd = _mm512_loadu_ps(qt + d * rows_p);
+    a0 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[0][d]), a0);
+    a1 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[1][d]), a1);
+    a2 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[2][d]), a2);
+    a3 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[3][d]), a3);
+  }
+  out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
+}
+
+inline void scores16x4(const float* qt, int rows_p, const uint16_t* const* k, int64_t D, __m512* out) {
+  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(qt);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 2) {
+    __m512bh qd = load_bh(pairs + d / 2 * rows_p * 2);
+    int32_t k0, k1, k2, k3;  // the pair (k[d], k[d + 1]) of each key, as one 32-bit lane to broadcast
+    __builtin_memcpy(&k0, k[0] + d, 4);
+    __builtin_memcpy(&k1, k[1] + d, 4);
+    __builtin_memcpy(&k2, k[2] + d, 4);
+    __builtin_memcpy(&k3, k[3] + d, 4);
+    a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_set1_epi32(k0));
+    a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_set1_epi32(k1));
+    a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_set1_epi32(k2));
+    a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_set1_epi32(k3));
+  }
+  out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
+}
+
+// A prefill or chunk tile (query tokens t0..t1-1 of sequence i x the group of KV head h) with
+// 16 query rows per register: scores, softmax and the accumulator are all vertical (one row a
+// lane), so there is no horizontal sum, and each K or V element loaded serves 16 rows at once
+// through a broadcast. Same arithmetic per row as attend_item (fp32 sums of exact products;
+// only their order differs), same block steps, same invariants.
+template <class E>
+void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, float* scratch) {
+  using T = typename E::T;
+  const T* query = static_cast<const T*>(a.query);
+  const T* key_cache = static_cast<const T*>(a.key_cache);
+  const T* value_cache = static_cast<const T*>(a.value_cache);
+  T* out = static_cast<T*>(a.out);
+  const int64_t D = a.head_dim, bs = a.block_size, H = a.num_heads, KVH = a.num_kv_heads;
+  const int64_t group = H / KVH;
+  const int64_t q_start = a.cu_seqlens[i], q_len = a.cu_seqlens[i + 1] - q_start;
+  const int64_t context_len = a.seq_lens[i] - q_len;
+  const int64_t kv_end = context_len + t1;
+  const int rows = static_cast<int>((t1 - t0) * group);
+  const int rows_p = (rows + 15) / 16 * 16;  // padded to whole registers; padding lanes hold q = 0
+  const int32_t* table = a.tables + i * a.table_stride;
+  const int64_t row_elems = KVH * D;
+  // Scratch (cpu_native.scratch_floats): row pointers, Qt [D][rows_p], acc^T [D][rows_p],
+  // m and l [rows_p], P^T [bs][16], and one block of V widened to fp32 [bs][D].
+  const T** qrow = reinterpret_cast<const T**>(scratch);
+  float* qt = scratch + 2 * rows_p;
+  float* acc = qt + D * rows_p;
+  float* m = acc + D * rows_p;
+  float* l = m + rows_p;
+  float* pt = l + rows_p;
+  float* vf = pt + bs * 16;
+  for (int r = 0; r < rows; ++r) qrow[r] = query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+  transpose_q(qrow, rows, rows_p, D, qt);
+  for (int64_t x = 0; x < D * rows_p; ++x) acc[x] = 0.0f;
+  for (int r = 0; r < rows_p; ++r) { m[r] = -INFINITY; l[r] = 0.0f; }
+  const int64_t num_blocks = (kv_end + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * bs;
+    const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);
+    const int64_t phys = table[b];
+    if (b + 1 < num_blocks) {
+      const int64_t next = table[b + 1], n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
+      for (int64_t j = 0; j < n_next; ++j) {
+        int64_t at = ((next * bs + j) * KVH + h) * D;
+        prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(T)));
+        prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(T)));
+      }
+    }
+    const T* k = key_cache + (phys * bs * KVH + h) * D;
+    const T* v = value_cache + (phys * bs * KVH + h) * D;
+    for (int j = 0; j < n; ++j)  // V widened once per block for all rows (fp32: a copy)
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + j * D + d, E::load16(v + j * row_elems + d));
+    for (int g = 0; g < rows_p; g += 16) {
+      // Lane r of this group is row g + r, at position context_len + t0 + (g + r) / group (the
+      // padding lanes take the last row's); it sees key start + j iff start + j <= position.
+      const int last = g + 15 < rows ? g + 15 : rows - 1;
+      const int64_t last_pos = context_len + t0 + last / group;
+      if (last_pos < start) continue;  // no row of the group sees this block
+      alignas(64) int32_t lane_pos[16];  // relative to the block's first key
+      for (int c = 0; c < 16; ++c)
+        lane_pos[c] = static_cast<int32_t>(context_len + t0 + (g + c < rows ? g + c : rows - 1) / group - start);
+      const __m512i pos = _mm512_load_si512(lane_pos);
+      __m512 m_old = _mm512_loadu_ps(m + g), m_new = m_old;
+      for (int j = 0; j < n; j += 4) {
+        const T* kj[4];
+        for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * row_elems;
+        __m512 sc[4];
+        scores16x4(qt + g, rows_p, kj, D, sc);
+        for (int c = 0; c < 4 && j + c < n; ++c) {
+          __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j + c));
+          __m512 sj = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(sc[c], _mm512_set1_ps(a.scale)));
+          _mm512_storeu_ps(pt + (j + c) * 16, sj);
+          m_new = _mm512_max_ps(m_new, sj);
+        }
+      }
+      // Every row saw key 0 in block 0, so m_new is finite from there on; a row that sees no
+      // key of this block keeps its max (alpha = 1) and adds P = 0.
+      const __m512 alpha = exp16(_mm512_sub_ps(m_old, m_new));
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < n; ++j) {
+        __m512 sj = _mm512_loadu_ps(pt + j * 16);
+        __mmask16 seen = _mm512_cmp_ps_mask(sj, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sj, m_new)));
+        sum = _mm512_add_ps(sum, p);
+        _mm512_storeu_ps(pt + j * 16, p);
+      }
+      _mm512_storeu_ps(l + g, _mm512_fmadd_ps(_mm512_loadu_ps(l + g), alpha, sum));
+      _mm512_storeu_ps(m + g, m_new);
+      // acc^T[d][lanes] = acc^T * alpha + sum_j P^T[j] v_j[d], 16 dims x 16 rows in registers.
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 ac[16];
+        for (int c = 0; c < 16; ++c) ac[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + c) * rows_p + g), alpha);
+        for (int j = 0; j < n; ++j) {
+          __m512 pj = _mm512_loadu_ps(pt + j * 16);
+          const float* vj = vf + j * D + d0;
+          for (int c = 0; c < 16; ++c) ac[c] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vj[c]), ac[c]);
+        }
+        for (int c = 0; c < 16; ++c) _mm512_storeu_ps(acc + (d0 + c) * rows_p + g, ac[c]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = 1.0f / l[r];  // l >= 1: the row saw its own max
+    float row[16];
+    T* o = out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      for (int c = 0; c < 16; ++c) row[c] = acc[(d0 + c) * rows_p + r] * inv;
+      E::store16(o + d0, _mm512_loadu_ps(row));
+    }
   }
 }
 
@@ -359,10 +519,14 @@ void mini_vllm_attn_worker(const int64_t* params, int64_t w) {
     const int64_t i = a.item_seq[it], t0 = a.item_t0[it], h0 = a.item_h0[it];
     const int64_t q_len = a.cu_seqlens[i + 1] - a.cu_seqlens[i];
     const auto item = a.dtype == kBf16 ? attend_item<Bf16> : attend_item<Fp32>;
+    const auto tile = a.dtype == kBf16 ? attend_tile<Bf16> : attend_tile<Fp32>;
+    const int64_t t1 = t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len;
     if (q_len == 1 && a.decode_heads > 0)
       item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);
+    else if ((t1 - t0) * (a.num_heads / a.num_kv_heads) >= kLaneRows)  // rows enough to fill the lanes
+      tile(a, i, t0, t1, h0, scratch);
     else
-      item(a, i, t0, t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len, h0, h0 + 1, scratch);
+      item(a, i, t0, t1, h0, h0 + 1, scratch);
   }
 }
 
