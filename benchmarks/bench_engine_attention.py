@@ -6,8 +6,11 @@ vLLM counterpart: the CPU attention backend (`vllm/v1/attention/backends/cpu_att
 vLLM's kernels the same way, on synthetic paged caches.
 
   cpu     `mini_vllm.kernels.cpu_paged_attention.run_varlen`, what the "cpu"
-          backend calls per layer: one numba launch that reads each K/V block
-          in place, once
+          backend calls per layer: one launch that reads each K/V block in
+          place, once; on a CPU with AVX512_BF16 the C++ kernel
+          (`kernels/cpu_native.py`) for fp32 and bf16 caches, else numba's
+  numba   the same call with the C++ kernel switched off: the numba kernel,
+          which every other CPU runs (printed where the C++ kernel ran)
   torch   `mini_vllm.attention.torch_attn.attend`, the "torch" backend: a gather of
           every block into a padded tensor, then masked SDPA per group (its
           per-step plan is cached on the metadata, as in the engine)
@@ -57,6 +60,7 @@ import time
 import torch
 
 from machine import machine_line, read_bandwidth
+from mini_vllm.kernels import cpu_native
 from mini_vllm.kernels.cpu_runtime import AVX2_ONLY_ENV
 from mini_vllm.attention import torch_attn as torch_attention
 from mini_vllm.attention.metadata import AttentionMetadata
@@ -85,6 +89,10 @@ BATCHES = {
     "prefill x2, 512, heads 4/2 d64, bf16": (ISSUE, [512, 512], [512, 512], torch.bfloat16),
     "mixed: 2 chunks of 256 + 14 decodes, d64": (ISSUE, [768, 512] + _lens(14, 256, 1024, 3), [256, 256] + [1] * 14,
                                                  torch.float32),
+    # the qwen3-0.6b throughput workload's steps: 16 requests of 16-128 prompt tokens, block 32
+    "decode x16, 80-190, Qwen3, bf16, block 32": (QWEN3, _lens(16, 80, 190, 5), [1] * 16, torch.bfloat16, 32),
+    "prefill x16, 16-128, Qwen3, bf16, block 32": (QWEN3, _lens(16, 16, 128, 5), _lens(16, 16, 128, 5),
+                                                   torch.bfloat16, 32),
     "prefill 256, Qwen3 heads": (QWEN3, [256], [256], torch.float32),
     "prefill x2, 512 tokens": (QWEN3, [512, 512], [512, 512], torch.float32),
     "mixed: 2 chunks of 256 + 14 decodes": (QWEN3, [768, 512] + _lens(14, 256, 1024, 3), [256, 256] + [1] * 14,
@@ -154,6 +162,18 @@ def best_interleaved(fns, cold=False) -> list[float]:
     return [min(ts) for ts in times]
 
 
+def numba_only(fn):
+    """fn with the C++ kernel switched off for the call (the numba kernel runs)."""
+    def call():
+        real = cpu_native.library
+        cpu_native.library = lambda: None
+        try:
+            return fn()
+        finally:
+            cpu_native.library = real
+    return call
+
+
 def fixed_cost_us(repeats: int = 200) -> float:
     """Best time of the cpu kernel on a 1-token decode: what every call pays."""
     kc = torch.randn(2, BS, 2, 64)
@@ -210,11 +230,15 @@ def main():
         scale = q.shape[-1] ** -0.5
         want = paged_attention_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale).float()
         tol = 1e-4 if q.dtype == torch.float32 else 2e-2
-        for impl, got in (("cpu", run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)),
+        cpu = lambda: run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)  # noqa: E731
+        for impl, got in (("cpu", cpu()), ("numba", numba_only(cpu)()),
                           ("torch", torch_attention.attend(q, kc, vc, md, scale))):
             err = (got.float() - want).abs().max().item()
             assert err < tol, f"{name}: {impl} differs from Chapter 1's reference by {err:.2e}"
     print(machine_line([int(t) for t in args.threads.split(",")]))
+    reason = cpu_native.unavailable_reason()
+    print("cpu = the C++ kernel for fp32 / bf16 caches, numba for fp16" if reason is None else
+          f"cpu = the numba kernel (the C++ kernel cannot run here: {reason})")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)  # the kernel follows torch's thread count
         bw = copy_bandwidth()
@@ -224,17 +248,18 @@ def main():
               f"{REPEATS}, {'L3 evicted before each call' if args.cold else 'L3 as the last call left it'}; "
               f"cpu kernel fixed cost {fixed_cost_us():.0f} us a call")
         print(f"{'batch':42s} {'K/V MB':>7s} {'floor ms':>9s} {'cpu ms':>8s} {'x floor':>8s} "
-              f"{'cpu GFLOP/s':>12s} {'% read bw':>10s} {'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
+              f"{'cpu GFLOP/s':>12s} {'% read bw':>10s} {'numba ms':>9s} {'numba/cpu':>10s} "
+              f"{'torch ms':>9s} {'x floor':>8s} {'torch/cpu':>10s}")
         for name, (q, kc, vc, md, kv_bytes, flops) in cases.items():
             scale = q.shape[-1] ** -0.5
+            cpu = lambda: run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale)  # noqa: E731
             with torch.no_grad():
-                t_cpu, t_torch = best_interleaved([
-                    lambda: run_varlen(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale),
-                    lambda: torch_attention.attend(q, kc, vc, md, scale)], cold=args.cold)
+                t_cpu, t_numba, t_torch = best_interleaved([
+                    cpu, numba_only(cpu), lambda: torch_attention.attend(q, kc, vc, md, scale)], cold=args.cold)
             floor = kv_bytes / bw
             print(f"{name:42s} {kv_bytes / 1e6:7.1f} {floor * 1e3:9.2f} {t_cpu * 1e3:8.2f} {t_cpu / floor:8.2f} "
-                  f"{flops / t_cpu / 1e9:12.1f} {100 * kv_bytes / t_cpu / read_bw:9.0f}% {t_torch * 1e3:9.2f} "
-                  f"{t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
+                  f"{flops / t_cpu / 1e9:12.1f} {100 * kv_bytes / t_cpu / read_bw:9.0f}% {t_numba * 1e3:9.2f} "
+                  f"{t_numba / t_cpu:9.2f}x {t_torch * 1e3:9.2f} {t_torch / floor:8.2f} {t_torch / t_cpu:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -366,6 +366,8 @@ def test_the_kernels_build_and_agree_on_a_cpu_without_avx512(tmp_path):
         tol = 1e-5 if case.endswith("float32") else 2e-2  # bf16 / fp16: a few roundings of 2**-8
         assert err <= tol, f"{case}: differs from torch by {err:.3g} when built for AVX2 (a loop that assumes AVX-512?)"
     assert not report["not_compiled"], f"these loops were never compiled by the cases: {report['not_compiled']}"
+    assert report["native"] and "haswell" in report["native"] and not report["native_loaded"], (
+        f"the AVX-512 C++ kernel must stay off in an AVX2 build, got reason {report['native']!r}")
     for fn, seen in report["code"].items():
         assert seen["avx512"] == 0, f"{fn}: {seen['avx512']} AVX-512 instructions in a build for an AVX2-only CPU"
         assert seen["ymm"] > 0, f"{fn}: no 256-bit register used: its loops did not vectorize for AVX2"

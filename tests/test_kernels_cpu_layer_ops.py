@@ -409,3 +409,33 @@ def test_cpu_ops_switch_is_validated_and_honoured():
     off = subprocess.run([sys.executable, "-c", code], env={"MINI_VLLM_CPU_OPS": "torch", "PATH": ""},
                          capture_output=True, text=True, check=True)
     assert off.stdout.split() == ["torch", "False"], "MINI_VLLM_CPU_OPS=torch must turn the fused ops off"
+
+
+_FIRST_LINEAR = """
+import os, torch
+from mini_vllm.models import cpu_ops
+from mini_vllm.models.linear import ColumnParallelLinear
+layer = ColumnParallelLinear(64, 32, bias=False)
+with torch.no_grad():
+    layer(torch.randn(3, 64))
+print(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), cpu_ops.PRIMITIVE_CACHE_CAPACITY)
+"""
+
+
+@pytest.mark.skipif(not cpu_ops._AVAILABLE, reason="no oneDNN linear in this torch build")
+@pytest.mark.parametrize("preset", [None, "77"])
+def test_the_first_packed_linear_sizes_onednns_primitive_cache(preset):
+    """A fresh process: the first packed weight raises oneDNN's primitive cache (read when
+    oneDNN makes its first primitive) so that a step's varying row counts do not rebuild
+    matmuls; a capacity the user set is kept."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if preset:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
+    out = subprocess.run([sys.executable, "-c", _FIRST_LINEAR], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen, ours = out.stdout.split()
+    want = preset or ours
+    assert seen == want, (f"ONEDNN_PRIMITIVE_CACHE_CAPACITY is {seen} after the first linear, want {want}: "
+                          "the cache was not sized before oneDNN's first primitive, or a user's value was overwritten")

@@ -47,6 +47,18 @@ BLAS takes another kernel for 1 row than for several. It is faster for 1-2
 rows of the tiny model's layers here (256 x 256: 7 against 18 us), but
 switching paths by row count would make a request's tokens depend on its batch.
 
+oneDNN's primitive cache: oneDNN builds (JIT-compiles) a matmul per weight
+shape and row count and keeps the last 1,024 it built. The engine's row count
+is the step's token count, which varies from step to step: the tiny
+throughput workload makes 808 distinct (rows, weight) pairs per run, and a
+workload past 1,024 rebuilds a primitive on almost every call (a 256 x 256
+linear cycling through 1,300 row counts: 1,337 us a call, 614 us with room
+for all of them). Before the first weight is packed, `linear` raises the
+capacity to PRIMITIVE_CACHE_CAPACITY through ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+which oneDNN reads when it makes its first primitive: in a fresh engine
+process that is in time; in a process that ran oneDNN before, the default
+stays. A value the user set is kept.
+
 Cost: the packed copy is held beside the dense weight (vLLM frees the dense
 one; here tests and notebooks still read `layer.weight`), so a CPU model's
 linear weights take twice their memory.
@@ -80,6 +92,7 @@ def _onednn_bf16_ok() -> bool:
 
 
 _AVAILABLE = _onednn_ok()
+PRIMITIVE_CACHE_CAPACITY = 8192  # about 4 weight shapes x every row count up to a 2,048-token step
 # The dtypes whose weights this CPU can pack; the others take F.linear.
 PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() else (torch.float32,)
 
@@ -90,6 +103,8 @@ def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
     cached = owner._onednn_packed
     if cached is None or cached[0] != key:
+        # before oneDNN's first primitive in this process, if this is it (see the docstring)
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
         with torch.no_grad():
             cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
         owner._onednn_packed = cached

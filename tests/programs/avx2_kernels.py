@@ -117,7 +117,7 @@ def main() -> None:
 
     from mini_vllm import paged_attention as ref
     from mini_vllm.kernels import cpu_layer_ops as ops, cpu_layer_ops_bf16 as ops_bf16
-    from mini_vllm.kernels import cpu_paged_attention as cpa
+    from mini_vllm.kernels import cpu_native, cpu_paged_attention as cpa
 
     torch.set_num_threads(2)  # the parallel loops with more than one thread
     errors = {**attention_cases(torch, cpa, ref), **layer_op_cases(torch, ops)}
@@ -132,7 +132,8 @@ def main() -> None:
                  "qk_norm_rope_rows_bf16": ops_bf16.qk_norm_rope_rows_bf16, "_norm_head_bf16": ops_bf16._norm_head_bf16}
     code, empty = scan(functions)
     print(json.dumps({"cpu": codegen._get_host_cpu_name(), "features": codegen._get_host_cpu_features(),
-                      "errors": errors, "code": code, "not_compiled": empty}))
+                      "errors": errors, "code": code, "not_compiled": empty,
+                      "native": cpu_native.unavailable_reason(), "native_loaded": cpu_native.library() is not None}))
 
 
 if __name__ == "__main__":
