@@ -1,23 +1,25 @@
-"""The C++ paged-attention kernel for bf16 caches (`csrc/cpu_attn.cpp`): built, loaded, called.
+"""The C++ paged-attention kernel for fp32 and bf16 caches (`csrc/cpu_attn.cpp`): built, loaded, called.
 
 vLLM counterpart: vLLM's CPU build compiles `csrc/cpu/*.cpp` (its attention in
 `cpu_attn.cpp` / `cpu_attn_impl.hpp`) into the `_C` extension when it is
 installed, and its CPU attention backend calls that. Here the one source file
-is compiled with `g++` on the first bf16 attention call (about a second) into
+is compiled with `g++` on the first attention call it handles (about a second) into
 the folder numba caches in, under a name that hashes the source and the flags,
 so a fresh clone builds it once and an edit builds it again.
 
-Why: the kernel's scores are bf16 dot products, which AVX512_BF16's VDPBF16PS
-computes 32 pairs at a time; numba cannot emit it (see the C++ file's header).
-Measured on a Xeon (family 6 model 167), one thread, Qwen3-0.6B's attention
-shapes, bf16: 16 decodes of 80-190 tokens 0.93 -> 0.74 ms (L3 warm) and
-1.46 -> 1.12 ms (evicted); 16 prefills of 20-130 tokens 19.3 -> 14.0 ms.
+Why: a bf16 score is a dot product of two bf16 rows, which AVX512_BF16's VDPBF16PS
+computes 32 pairs at a time; numba cannot emit it (see the C++ file's header). The
+same file reads fp32 caches with FMAs, and its prefill tiles put a query row in each
+SIMD lane. Against the numba kernel on a Xeon (family 6 model 167), one thread, L3
+evicted (`bench_engine_attention.py`, kernels/NOTES.md): the qwen3-0.6b workload's bf16
+decodes 1.24x and prefills 1.59x; the tiny workload's fp32 decodes 1.12x, prefills
+1.47x.
 
 Where it runs (`unavailable_reason()` is None): an x86 CPU with AVX-512 F / BW /
 VL / DQ and AVX512_BF16, numba targeting the host (not an ISA held back, as
 `cpu_runtime.AVX2_ONLY_ENV` holds it), a C++ compiler ($CXX or g++), and
-`MINI_VLLM_CPU_ATTN` not `numba`; per call, a bf16 cache and a head_dim that is a
-multiple of 32. Everything else runs the numba kernel, which stays the
+`MINI_VLLM_CPU_ATTN` not `numba`; per call (`handles`), an fp32 or bf16 cache and a
+head_dim that is a multiple of 16 or 32. Everything else runs the numba kernel, which stays the
 reference implementation on every CPU. A failed build is reported once
 (a warning with the compiler's message) and the numba kernel runs instead.
 
@@ -28,7 +30,7 @@ is left. With one thread the worker is called directly.
 
 Invariants: the same results, bit for bit, whatever the thread count or the
 split of decodes into items (each query row's arithmetic is fixed); the output
-is bf16, rounded to nearest even from the fp32 accumulator.
+has the cache's dtype, bf16 rounded to nearest even from the fp32 accumulator.
 """
 from __future__ import annotations
 

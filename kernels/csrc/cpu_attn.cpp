@@ -1,30 +1,33 @@
-// Paged attention for bf16 KV caches on CPUs with AVX512_BF16: the engine's varlen batch
-// (prefill tiles, chunks and decodes), read in place from the paged cache.
+// Paged attention for fp32 and bf16 KV caches on CPUs with AVX-512 and AVX512_BF16: the
+// engine's varlen batch (prefill tiles, chunks and decodes), read in place from the paged cache.
 //
 // vLLM counterpart: csrc/cpu/cpu_attn.cpp and cpu_attn_impl.hpp (its CPU attention, also
 // C++ with AVX-512 / AMX intrinsics). Built and loaded by kernels/cpu_native.py; the work
 // items, their order and the threads come from kernels/cpu_paged_attention.py, whose numba
-// kernel this replaces for bf16 caches where the CPU has the instructions.
+// kernel this replaces for fp32 and bf16 caches where the CPU has the instructions.
 //
 // Why C++ here: the score of a query row and a key is a dot product of two bf16 vectors.
 // VDPBF16PS multiplies 32 bf16 pairs and adds them into 16 fp32 sums in one instruction;
 // numba cannot emit it, so its loops widen every key element to fp32 first (a shift) and
-// ran the decode at about half the read bandwidth and prefills at ~30 GFLOP/s.
+// ran the decode at about half the read bandwidth and prefills at ~30 GFLOP/s. With the
+// instructions chosen by hand, fp32 caches gain too (an FMA where bf16 has a VDPBF16PS).
 //
 // Per work item (one sequence's query tokens t0..t1-1 x KV heads h0..h1-1), FlashAttention's
 // loop, one cache block per step, for each KV head and its query rows:
-//     S = scale * Q K_blk^T      (VDPBF16PS; bf16 products are exact in fp32)
+//     S = scale * Q K_blk^T      (bf16 products are exact in fp32; sums in fp32)
 //     P = exp(S - running max)   keys in a row's future get P = 0
 //     acc = acc * alpha + P V    (V widened to fp32, fp32 FMAs)
+// Two paths: attend_item (decodes and small tiles: rows in registers, horizontal sums) and
+// attend_tile (tiles of 16+ rows: a row per SIMD lane, everything vertical).
 // Invariants (as the numba kernel's):
 // - no slot at or past the item's last visible key is read or prefetched: a block's keys
 //   stop at kv_end = context_len + t1 <= seq_len;
-// - a row's arithmetic depends only on its query, the keys and the block size, never on
-//   which item, thread or batch holds it: the thread count changes no bit;
+// - a row's arithmetic depends only on its query, the keys, the block size and the path its
+//   item takes, never on which thread or batch holds it: the thread count changes no bit;
 // - key 0 is in the first block and visible to every row, so each running max is finite
 //   from the first step on and a row that sees none of a later block is left unchanged.
-// Arithmetic: fp32 scores, softmax, accumulators; the output is rounded to bf16 to nearest
-// even, as torch's .to(torch.bfloat16) rounds.
+// Arithmetic: fp32 scores, softmax, accumulators; a bf16 output is rounded to nearest even,
+// as torch's .to(torch.bfloat16) rounds.
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -367,7 +370,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
   const int64_t num_blocks = (kv_end + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
-    const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);
+    const int n = static_cast<int>(bs < kv_end - start ? bs : kv_end - start);  // never past kv_end
     const int64_t phys = table[b];
     if (b + 1 < num_blocks) {
       const int64_t next = table[b + 1], n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
