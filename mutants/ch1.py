@@ -291,10 +291,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_reads_whole_blocks",
         path=NATIVE,
-        old="const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);",
-        new="const int n = static_cast<int>(bs);",
+        old="return static_cast<int>(kv_end - start < bs ? kv_end - start : bs);",
+        new="return static_cast<int>(bs);",
         tests=NATIVE_TESTS,
-        why="C++ kernel: the last block read in full, past seq_len (slots that were never written)",
+        why="C++ kernel (both paths): the last block read in full, past seq_len (slots that were never written)",
     ),
     Mutant(
         name="native_acc_not_rescaled",
@@ -315,10 +315,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_gqa_head_mapping_mod",
         path=NATIVE,
-        old="qrow[x] = query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;",
-        new="qrow[x] = query + ((q_start + t0 + r / group) * H + (h + r % group * KVH) % H) * D;",
+        old="return ((q_start + t0 + r / group) * H + h * group + r % group) * D;",
+        new="return ((q_start + t0 + r / group) * H + (h + r % group * KVH) % H) * D;",
         tests=NATIVE_TESTS,
-        why="C++ kernel: query head h * group + g read as head (h + g * KVH) % H (interleaved GQA map)",
+        why="C++ kernel (both paths): query head h * group + g taken as head (h + g * KVH) % H (interleaved GQA map)",
     ),
     Mutant(
         name="native_decode_item_first_kv_head_only",
@@ -336,14 +336,6 @@ MUTANTS: list[Mutant] = [
         new="__mmask16 seen = _mm512_cmpgt_epi32_mask(pos, _mm512_set1_epi32(j + c));",
         tests=NATIVE_TESTS,
         why="C++ kernel, lane tiles: a query row sees the keys before its position but not its own",
-    ),
-    Mutant(
-        name="native_tile_reads_whole_blocks",
-        path=NATIVE,
-        old="const int n = static_cast<int>(bs < kv_end - start ? bs : kv_end - start);  // never past kv_end",
-        new="const int n = static_cast<int>(bs);  // never past kv_end",
-        tests=NATIVE_TESTS,
-        why="C++ kernel, lane tiles: the last block read in full, past seq_len",
     ),
     Mutant(
         name="native_tile_sum_not_rescaled",

@@ -285,6 +285,49 @@ void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_s
   }
 }
 
+// What both paths derive from one sequence of the batch: its typed tensors, its geometry,
+// and where its rows, blocks and keys are.
+template <class E>
+struct Seq {
+  using T = typename E::T;
+  const T* query;
+  const T* key_cache;
+  const T* value_cache;
+  T* out;
+  int64_t D, bs, H, KVH, group;
+  int64_t q_start, q_len;
+  int64_t context_len;     // query t sits at position context_len + t
+  const int32_t* table;    // the sequence's block table
+  int64_t row_elems;       // one slot of the cache: all KV heads
+
+  Seq(const Args& a, int64_t i)
+      : query(static_cast<const T*>(a.query)), key_cache(static_cast<const T*>(a.key_cache)),
+        value_cache(static_cast<const T*>(a.value_cache)), out(static_cast<T*>(a.out)), D(a.head_dim),
+        bs(a.block_size), H(a.num_heads), KVH(a.num_kv_heads), group(a.num_heads / a.num_kv_heads),
+        q_start(a.cu_seqlens[i]), q_len(a.cu_seqlens[i + 1] - a.cu_seqlens[i]),
+        context_len(a.seq_lens[i] - (a.cu_seqlens[i + 1] - a.cu_seqlens[i])), table(a.tables + i * a.table_stride),
+        row_elems(a.num_kv_heads * a.head_dim) {}
+
+  // Row r of a tile from token t0 whose rows belong to KV head h: token t0 + r / group, query
+  // head h * group + r % group; its offset in query and out.
+  int64_t row(int64_t t0, int r, int64_t h) const { return ((q_start + t0 + r / group) * H + h * group + r % group) * D; }
+
+  // The keys of the block that starts at key `start` an item reads: never one at or past kv_end.
+  int block_keys(int64_t start, int64_t kv_end) const { return static_cast<int>(kv_end - start < bs ? kv_end - start : bs); }
+
+  const T* keys(int64_t phys, int64_t h) const { return key_cache + (phys * bs * KVH + h) * D; }
+  const T* values(int64_t phys, int64_t h) const { return value_cache + (phys * bs * KVH + h) * D; }
+
+  // Prefetch KV head h's first n rows of K and V in physical block phys.
+  void prefetch_head(int64_t phys, int64_t n, int64_t h) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t at = ((phys * bs + j) * KVH + h) * D;
+      prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(T)));
+      prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(T)));
+    }
+  }
+};
+
 // The query rows of a tile, transposed so that 16 rows sit in the 16 lanes of a register:
 // fp32 as Qt[d][row]; bf16 as pairs of dims, Qt[d / 2][row][2], the layout VDPBF16PS reads.
 inline void transpose_q(const float* const* q, int rows, int rows_p, int64_t D, float* qt) {
@@ -341,19 +384,11 @@ inline void scores16x4(const float* qt, int rows_p, const uint16_t* const* k, in
 template <class E>
 void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, float* scratch) {
   using T = typename E::T;
-  const T* query = static_cast<const T*>(a.query);
-  const T* key_cache = static_cast<const T*>(a.key_cache);
-  const T* value_cache = static_cast<const T*>(a.value_cache);
-  T* out = static_cast<T*>(a.out);
-  const int64_t D = a.head_dim, bs = a.block_size, H = a.num_heads, KVH = a.num_kv_heads;
-  const int64_t group = H / KVH;
-  const int64_t q_start = a.cu_seqlens[i], q_len = a.cu_seqlens[i + 1] - q_start;
-  const int64_t context_len = a.seq_lens[i] - q_len;
+  const Seq<E> sq(a, i);
+  const int64_t D = sq.D, bs = sq.bs, group = sq.group, context_len = sq.context_len;
   const int64_t kv_end = context_len + t1;
   const int rows = static_cast<int>((t1 - t0) * group);
   const int rows_p = (rows + 15) / 16 * 16;  // padded to whole registers; padding lanes hold q = 0
-  const int32_t* table = a.tables + i * a.table_stride;
-  const int64_t row_elems = KVH * D;
   // Scratch (cpu_native.scratch_floats): row pointers, Qt [D][rows_p], acc^T [D][rows_p],
   // m and l [rows_p], P^T [bs][16], and one block of V widened to fp32 [bs][D].
   const T** qrow = reinterpret_cast<const T**>(scratch);
@@ -363,27 +398,20 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
   float* l = m + rows_p;
   float* pt = l + rows_p;
   float* vf = pt + bs * 16;
-  for (int r = 0; r < rows; ++r) qrow[r] = query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+  for (int r = 0; r < rows; ++r) qrow[r] = sq.query + sq.row(t0, r, h);
   transpose_q(qrow, rows, rows_p, D, qt);
   for (int64_t x = 0; x < D * rows_p; ++x) acc[x] = 0.0f;
   for (int r = 0; r < rows_p; ++r) { m[r] = -INFINITY; l[r] = 0.0f; }
   const int64_t num_blocks = (kv_end + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
-    const int n = static_cast<int>(bs < kv_end - start ? bs : kv_end - start);  // never past kv_end
-    const int64_t phys = table[b];
-    if (b + 1 < num_blocks) {
-      const int64_t next = table[b + 1], n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
-      for (int64_t j = 0; j < n_next; ++j) {
-        int64_t at = ((next * bs + j) * KVH + h) * D;
-        prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(T)));
-        prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(T)));
-      }
-    }
-    const T* k = key_cache + (phys * bs * KVH + h) * D;
-    const T* v = value_cache + (phys * bs * KVH + h) * D;
+    const int n = sq.block_keys(start, kv_end);
+    const int64_t phys = sq.table[b];
+    if (b + 1 < num_blocks) sq.prefetch_head(sq.table[b + 1], sq.block_keys(start + bs, kv_end), h);
+    const T* k = sq.keys(phys, h);
+    const T* v = sq.values(phys, h);
     for (int j = 0; j < n; ++j)  // V widened once per block for all rows (fp32: a copy)
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + j * D + d, E::load16(v + j * row_elems + d));
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + j * D + d, E::load16(v + j * sq.row_elems + d));
     for (int g = 0; g < rows_p; g += 16) {
       // Lane r of this group is row g + r, at position context_len + t0 + (g + r) / group (the
       // padding lanes take the last row's); it sees key start + j iff start + j <= position.
@@ -397,7 +425,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
       __m512 m_old = _mm512_loadu_ps(m + g), m_new = m_old;
       for (int j = 0; j < n; j += 4) {
         const T* kj[4];
-        for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * row_elems;
+        for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * sq.row_elems;
         __m512 sc[4];
         scores16x4(qt + g, rows_p, kj, D, sc);
         for (int c = 0; c < 4 && j + c < n; ++c) {
@@ -436,7 +464,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
   for (int r = 0; r < rows; ++r) {
     const float inv = 1.0f / l[r];  // l >= 1: the row saw its own max
     float row[16];
-    T* o = out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+    T* o = sq.out + sq.row(t0, r, h);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       for (int c = 0; c < 16; ++c) row[c] = acc[(d0 + c) * rows_p + r] * inv;
       E::store16(o + d0, _mm512_loadu_ps(row));
@@ -448,19 +476,11 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
 template <class E>
 void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, int64_t h1, float* scratch) {
   using T = typename E::T;
-  const T* query = static_cast<const T*>(a.query);
-  const T* key_cache = static_cast<const T*>(a.key_cache);
-  const T* value_cache = static_cast<const T*>(a.value_cache);
-  T* out = static_cast<T*>(a.out);
-  const int64_t D = a.head_dim, bs = a.block_size, H = a.num_heads, KVH = a.num_kv_heads;
-  const int64_t group = H / KVH;
-  const int64_t q_start = a.cu_seqlens[i], q_len = a.cu_seqlens[i + 1] - q_start;
-  const int64_t context_len = a.seq_lens[i] - q_len;  // query t sits at position context_len + t
-  const int64_t kv_end = context_len + t1;             // the item's last query sees keys < kv_end
+  const Seq<E> sq(a, i);
+  const int64_t D = sq.D, bs = sq.bs, group = sq.group, context_len = sq.context_len;
+  const int64_t kv_end = context_len + t1;  // the item's last query sees keys < kv_end
   const int rows_per_head = static_cast<int>((t1 - t0) * group);
   const int rows = rows_per_head * static_cast<int>(h1 - h0);
-  const int32_t* table = a.tables + i * a.table_stride;
-  const int64_t row_elems = KVH * D;                   // one slot of the cache: all KV heads
   // Scratch (cpu_native.scratch_floats): the rows' query pointers first (8-byte aligned),
   // then acc [rows, D], S [rows, bs], running max, running sum and alpha [rows].
   const T** qrow = reinterpret_cast<const T**>(scratch);
@@ -473,7 +493,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
   for (int64_t h = h0; h < h1; ++h)
     for (int r = 0; r < rows_per_head; ++r) {
       int x = static_cast<int>((h - h0) * rows_per_head + r);
-      qrow[x] = query + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      qrow[x] = sq.query + sq.row(t0, r, h);
       m[x] = -INFINITY;
       l[x] = 0.0f;
       for (int64_t d = 0; d < D; ++d) acc[x * D + d] = 0.0f;
@@ -481,26 +501,20 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
   const int64_t num_blocks = (kv_end + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
-    const int n = static_cast<int>(kv_end - start < bs ? kv_end - start : bs);
-    const int64_t phys = table[b];
-    const int64_t next = b + 1 < num_blocks ? table[b + 1] : -1;
-    const int64_t n_next = kv_end - start - bs < bs ? kv_end - start - bs : bs;
+    const int n = sq.block_keys(start, kv_end);
+    const int64_t phys = sq.table[b];
     for (int64_t h = h0; h < h1; ++h) {
       // The next block's rows of this KV head, while this head's rows compute: spread over
       // the heads, so that a few KiB are in flight at a time, not the whole next block.
-      for (int64_t j = 0; next >= 0 && j < n_next; ++j) {
-        const int64_t at = ((next * bs + j) * KVH + h) * D;
-        prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(T)));
-        prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(T)));
-      }
+      if (b + 1 < num_blocks) sq.prefetch_head(sq.table[b + 1], sq.block_keys(start + bs, kv_end), h);
       const int x0 = static_cast<int>((h - h0) * rows_per_head);
-      const T* k = key_cache + (phys * bs * KVH + h) * D;
-      const T* v = value_cache + (phys * bs * KVH + h) * D;
+      const T* k = sq.keys(phys, h);
+      const T* v = sq.values(phys, h);
       // The first row that sees any key of this block (rows are ordered by token).
       int first = 0;
       while (first < rows_per_head && context_len + t0 + first / group - start + 1 <= 0) ++first;
       if (first == rows_per_head) continue;
-      scores<E>(qrow + x0 + first, rows_per_head - first, k, row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
+      scores<E>(qrow + x0 + first, rows_per_head - first, k, sq.row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
       for (int r = first; r < rows_per_head; ++r) {
         int64_t seen = context_len + t0 + r / group - start + 1;
         int x = x0 + r;
@@ -510,7 +524,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       // real key's value (j < n <= kv_end), never a NaN slot.
       for (int r = first; r < rows_per_head; r += kPvRows) {
         const int x = x0 + r, nr = rows_per_head - r < kPvRows ? rows_per_head - r : kPvRows;
-        pv_rows<E>(nr, acc + x * D, alpha + x, s + x * bs, bs, v, row_elems, n, D);
+        pv_rows<E>(nr, acc + x * D, alpha + x, s + x * bs, bs, v, sq.row_elems, n, D);
       }
     }
   }
@@ -518,7 +532,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
     for (int r = 0; r < rows_per_head; ++r) {
       int x = static_cast<int>((h - h0) * rows_per_head + r);
       float inv = 1.0f / l[x];  // l >= 1: the row saw its own max
-      T* o = out + ((q_start + t0 + r / group) * H + h * group + r % group) * D;
+      T* o = sq.out + sq.row(t0, r, h);
       for (int64_t d = 0; d < D; d += 16) E::store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), _mm512_set1_ps(inv)));
     }
 }
