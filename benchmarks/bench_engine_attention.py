@@ -165,12 +165,8 @@ def best_interleaved(fns, cold=False) -> list[float]:
 def numba_only(fn):
     """fn with the C++ kernel switched off for the call (the numba kernel runs)."""
     def call():
-        real = cpu_native.library
-        cpu_native.library = lambda: None
-        try:
+        with cpu_native.numba_only():
             return fn()
-        finally:
-            cpu_native.library = real
     return call
 
 

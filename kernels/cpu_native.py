@@ -34,6 +34,7 @@ has the cache's dtype, bf16 rounded to nearest even from the fp32 accumulator.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -88,9 +89,26 @@ def scratch_floats(rows: int, head_dim: int, block_size: int) -> int:
     return n + (n & 1)
 
 
+_numba_only_depth = 0  # > 0 inside `numba_only()`
+
+
+@contextlib.contextmanager
+def numba_only():
+    """Within the block every call runs the numba kernel: for the tests and benchmarks that
+    compare the two, and for the numba kernel's own tests on a CPU that has this one."""
+    global _numba_only_depth
+    _numba_only_depth += 1
+    try:
+        yield
+    finally:
+        _numba_only_depth -= 1
+
+
 def handles(dtype: torch.dtype, head_dim: int) -> bool:
-    """Does the C++ kernel run this call (the library loaded, a cache dtype and head_dim it reads)?"""
-    return dtype in DTYPES and head_dim % HEAD_DIM_MULTIPLE[dtype] == 0 and library() is not None
+    """Does the C++ kernel run this call (not switched off, the library loaded, a cache dtype
+    and head_dim it reads)?"""
+    return (not _numba_only_depth and dtype in DTYPES and head_dim % HEAD_DIM_MULTIPLE[dtype] == 0
+            and library() is not None)
 
 
 def unavailable_reason() -> str | None:

@@ -40,8 +40,7 @@ def numba_kernel_only():
     """This file tests the numba kernel: where the C++ kernel would take fp32 and bf16
     calls (kernels/cpu_native.py, tested in test_kernels_cpu_native.py), it is switched
     off here, so every case runs the numba loops on every CPU."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_native, "library", lambda: None)
+    with cpu_native.numba_only():
         yield
 
 

@@ -172,12 +172,8 @@ def test_ragged_batches_against_the_numba_kernel(data):
 
 
 def _numba_only(args):
-    real = cpu_native.library
-    cpu_native.library = lambda: None
-    try:
+    with cpu_native.numba_only():
         return cpa.paged_attention_varlen(*args)
-    finally:
-        cpu_native.library = real
 
 
 def test_a_failed_build_falls_back_to_numba_with_a_warning(monkeypatch, caplog, calls):
