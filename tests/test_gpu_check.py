@@ -164,8 +164,9 @@ def test_budgeted_plan_keeps_the_full_shapes_and_runs_the_tests_last():
     assert (plan.num_requests, plan.prompt_len, plan.output_len) == (full.num_requests, full.prompt_len,
                                                                      full.output_len), \
         "a budgeted run must measure the same workload as the full plan"
-    assert plan.hf_batch_sizes == () and plan.deadline_s < 330, \
-        "a budgeted run skips the HF batches and stops starting sections before its budget"
+    assert plan.hf_batch_sizes == (128,) and plan.hf_budget_s == 0.0 and plan.hf_continuous_budget_s == 0.0, \
+        "a budgeted run measures one HF static batch (the 5x goal's baseline) and skips HF continuous batching"
+    assert plan.deadline_s < 330, "a budgeted run stops starting sections before its budget"
 
 
 def test_child_processes_import_the_source_tree(monkeypatch):
