@@ -153,12 +153,49 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runner_forgets_its_own_tokens",
         path=RUNNER,
+        old="            self._append_sampled(pending.lists()[0])",
+        new="            pending.lists()",
+        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
+        why="a deferred step's tokens never reach the runner's host state: the runner waits for the scheduler "
+            "to send tokens it sampled itself, and later steps read stale inputs",
+    ),
+    Mutant(
+        name="runner_forgets_its_own_tokens_with_drafts",
+        path=RUNNER,
         old="""        if self.async_scheduling:
             self._append_sampled(sampled)""",
         new="""        if self.async_scheduling:
             pass""",
-        tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
-        why="the runner waits for the scheduler to send tokens it sampled itself: the next step reads a stale input",
+        tests=[ASYNC + "::test_async_scheduling_with_a_draft_model[plain]"],
+        why="under async speculation the runner waits for the scheduler to send tokens it sampled itself: "
+            "the next step reads a stale input",
+    ),
+    Mutant(
+        name="pending_tokens_not_fed_back",
+        path=RUNNER,
+        old="            ids_d[dst_d] = self.pending.tokens[src_d]",
+        new="            pass",
+        tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
+        why="the step prepared while the previous step's tokens are pending reads the stale host entry at "
+            "their positions instead of the tokens on the device",
+    ),
+    Mutant(
+        name="history_read_before_settling",
+        path="05_mini_vllm/worker/async_output.py",
+        old="    if not isinstance(params, SamplingParams):  # a Chapter 3 scheduler's own params: stop rules only",
+        new="    if True:",
+        tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
+        why="a penalised request's step is prepared before the pending tokens are settled: penalties and "
+            "grammars miss the latest token",
+    ),
+    Mutant(
+        name="every_step_waits_for_the_last_tokens",
+        path=RUNNER,
+        old="        if self.pending is not None and any(",
+        new="        if self.pending is not None and 1 or self.pending is not None and any(",
+        tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
+        why="the runner settles every step before preparing the next: correct tokens, but the device idles "
+            "for the runner's host work every step (the overlap asynchronous scheduling is for)",
     ),
     Mutant(
         name="runner_reads_the_optimistic_positions",

@@ -156,6 +156,42 @@ def test_the_next_step_is_scheduled_before_the_last_one_is_back():
         "synchronous scheduling scheduled a step before the previous one was back"
 
 
+def test_the_next_step_reads_the_last_tokens_on_the_device():
+    """Without speculation a step returns before its tokens reach the host, and the
+    next step is prepared while they are still pending (its input for each request
+    is written on the device from the pending tokens, `worker/async_output.py`):
+    otherwise the device idles for the runner's host work every step. A request
+    whose sampling reads its own history (a penalty) makes the runner settle first.
+    Tokens must equal synchronous scheduling's either way."""
+    def run(params, async_scheduling):
+        llm = make_llm(block_size=16, async_scheduling=async_scheduling)
+        runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+        pending_at_prepare = []
+        prepare = runner._prepare_inputs
+
+        def spy(so):
+            pending_at_prepare.append(runner.pending is not None)
+            return prepare(so)
+
+        runner._prepare_inputs = spy
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], [params] * 3, use_tqdm=False)
+        assert_pool_full(llm)
+        return [o.outputs[0].token_ids for o in outs], pending_at_prepare
+
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want, _ = run(plain, False)
+    got, pending = run(plain, True)
+    assert got == want, "tokens fed back on the device differ from synchronous scheduling's"
+    assert sum(pending) >= len(pending) - 2, (
+        f"only {sum(pending)} of {len(pending)} steps were prepared while the previous step's tokens were "
+        "pending: the runner waits for each step's tokens on the host before it prepares the next")
+    penalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    want, _ = run(penalised, False)
+    got, pending = run(penalised, True)
+    assert got == want, "a penalised request under asynchronous scheduling sampled without its latest token"
+    assert not any(pending), "a step whose sampling reads the token history was prepared before settling"
+
+
 def test_abort_while_a_step_is_in_flight_frees_everything():
     llm = make_llm(block_size=8, max_model_len=128, async_scheduling=True)
     eng = llm.llm_engine

@@ -56,6 +56,15 @@ class AttentionMetadata:
             raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_blocks * block_size})")
         self._validated_for = (num_blocks, block_size)
 
+    def with_tensors(self, slot_mapping, block_tables, cu_seqlens_q, seq_lens) -> "AttentionMetadata":
+        """The same step with these tensors (the host ones uploaded, say), still
+        marked as validated: the caller passes copies of the checked tensors."""
+        out = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                                seq_lens=seq_lens, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                                query_lens_cpu=self.query_lens_cpu, seq_lens_cpu=self.seq_lens_cpu)
+        out._validated_for = self._validated_for
+        return out
+
     def to(self, device) -> "AttentionMetadata":
         """The same metadata with its tensors on `device`, still marked as validated:
         the runner checks the host copies (no GPU-to-host reads) and uploads once."""

@@ -33,6 +33,7 @@ from mini_vllm.metrics.stats import SchedulerStats, SpecDecodingStats
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
 from mini_vllm.speculative.verifier import spec_eligible
+from mini_vllm.worker.async_output import DeferredStepOutput
 
 logger = logging.getLogger("mini_vllm")
 
@@ -147,6 +148,8 @@ class EngineCore:
             return None
         fut, so, t0, t1 = q.popleft()
         mro, t_exec, t2 = fut.result()  # a step that raised raises here: the engine is dead
+        if isinstance(mro, DeferredStepOutput):  # the step thread may already run the next step
+            mro, t2 = mro.get_output(), time.monotonic()  # waits for this step's tokens alone
         out = self._update(so, mro, {"start": t0, "scheduled": t1, "execute_start": t_exec, "executed": t2})
         self._check_placeholders()
         return out

@@ -18,6 +18,12 @@ One `execute_model(scheduler_output)` call:
    logprobs) per request; prompt
    logprobs go back once, on the step that completes the prompt (vLLM's
    `_get_prompt_logprobs_dict`), so chunked prefill fills them piece by piece.
+   With asynchronous scheduling and no speculation the step returns a
+   `DeferredStepOutput` as soon as its work is queued; the next step reads
+   its tokens on the device and appends them to the host state only after
+   queuing its own work (`async_output.py`: the device never waits for the
+   runner's host work). Every upload goes through pinned staging, one
+   transfer per step (`HostStaging`).
 Nothing here reads the scheduler's Request objects, so a tensor-parallel
 executor can broadcast the same SchedulerOutput to every worker.
 """
@@ -30,6 +36,8 @@ import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.worker.async_drafts import AsyncDrafts
+from mini_vllm.worker.async_output import (DeferredStepOutput, HostStaging, defer_step, feedback_indices,
+                                           reads_history)
 from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.model_forward import ModelForward, eager_config
@@ -84,6 +92,14 @@ class ModelRunner:
         # Asynchronous scheduling with speculation: the drafts kept between steps and the
         # runner's own computed counts (`async_drafts.py`); None otherwise.
         self.async_drafts = AsyncDrafts() if async_scheduling and proposer is not None else None
+        # Asynchronous scheduling without speculation: each step returns a deferred output and
+        # the next one reads its tokens on the device (`async_output.py`); `pending` is the
+        # previous step's output until this runner has appended its tokens (settled it).
+        self.defer_outputs = async_scheduling and proposer is None
+        self.pending: DeferredStepOutput | None = None
+        # Pinned staging of each step's uploads (one transfer, no wait on the device) and of
+        # the deferred outputs' tokens; plain tensors on a CPU.
+        self.staging = HostStaging(self.device, max_num_reqs)
         # This step's drafts to verify, by request id (set by _prepare_inputs): the
         # scheduled ones, with placeholders filled by the runner's own.
         self.step_drafts: dict[str, list[int]] = {}
@@ -177,7 +193,6 @@ class ModelRunner:
                               dtype=np.int64)
         samples = seq_lens - num_drafts >= batch.num_tokens[rows]  # prompt complete
         max_blocks = max(1, int(-(-seq_lens.max() // self.block_size)))
-        dev = self.device
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             block_tables=torch.from_numpy(np.ascontiguousarray(block_table[:, :max_blocks])),
@@ -188,7 +203,6 @@ class ModelRunner:
         # Checked once per step on the host copies, before the upload: on a GPU the same
         # checks on device tensors would wait for the GPU five times per step.
         md.validate(self.cache_engine.num_gpu_blocks, self.block_size)
-        md = md.to(dev)
         # Logit rows: the last token of each sampling request, plus its draft rows.
         logit_rows, sample_req = [], []
         for i in np.flatnonzero(samples):
@@ -196,18 +210,32 @@ class ModelRunner:
             k = int(num_drafts[i])
             logit_rows.extend(range(end - 1 - k, end))
             sample_req.append(int(i))
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                req_ids, logit_rows, sample_req)
+        # The previous step's tokens the host does not know yet (deferred outputs only).
+        dst, src = ([], []) if self.pending is None else feedback_indices(
+            self.pending, req_ids, batch.num_tokens[rows], computed, num_sched, query_start_loc)
+        ids_d, pos_d, sm_d, bt_d, cu_d, sl_d, rows_d, dst_d, src_d = self.staging.upload(
+            input_ids, positions, slot_mapping, md.block_tables.numpy(), query_start_loc, md.seq_lens.numpy(),
+            np.asarray(logit_rows, dtype=np.int64), np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64))
+        if dst:
+            ids_d[dst_d] = self.pending.tokens[src_d]
+        return ids_d, pos_d, md.with_tensors(sm_d, bt_d, cu_d, sl_d), req_ids, rows_d, sample_req
 
     # ---------------------------------------------------------- 4-5. run
     @torch.inference_mode()
-    def execute_model(self, so) -> ModelRunnerOutput:
+    def execute_model(self, so) -> ModelRunnerOutput | DeferredStepOutput:
+        """The step's output; with deferred outputs (asynchronous scheduling without
+        speculation) a `DeferredStepOutput`, returned once the step's work is queued."""
+        if self.pending is not None and any(
+                r in so.num_scheduled_tokens and reads_history(self.requests[r].sampling_params)
+                for r in self.pending.index if r in self.requests):
+            self._settle()  # this step's sampling reads the pending tokens on the host
         self._update_states(so)
         ce = self.cache_engine
         ce.swap_out(so.blocks_to_swap_out)
         ce.swap_in(so.blocks_to_swap_in)
         ce.copy(so.blocks_to_copy)
         if not so.num_scheduled_tokens:
+            self._settle()
             return ModelRunnerOutput([], {}, [])
         input_ids, positions, md, req_ids, logit_rows, sample_req = self._prepare_inputs(so)
         # Returns at once for this class's _prepare_inputs (it checked the host copies); it checks
@@ -221,11 +249,12 @@ class ModelRunner:
         if kvc is not None:  # queue this step's full blocks; bounded, never waits on the store
             kvc.wait_for_save()
             kvc.clear_connector_metadata()
+        if self.defer_outputs:
+            return defer_step(self, hidden, md, req_ids, logit_rows, sample_req)
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
         logprobs: dict[str, list] = {}
         if sample_req:
-            idx = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
             plain, plain_rows, spec, spec_rows, row = [], [], [], [], 0
             for i in sample_req:  # each verifying request owns k + 1 consecutive logits rows
                 k = len(self.step_drafts.get(req_ids[i], ()))
@@ -258,6 +287,13 @@ class ModelRunner:
                 self.async_drafts.store([r for r, t in sampled.items() if t], drafts)
         return mro
 
+    def _settle(self) -> None:
+        """Append the pending step's tokens to the requests and their rows (waits for
+        its copy to the host); a request that finished meanwhile is skipped."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._append_sampled(pending.lists()[0])
+
     def _advance_computed(self, so, req_ids: list[str], num_sched: list[int], sampled: dict) -> None:
         """Asynchronous speculation: this runner's count of computed tokens moves by what
         the step computed and kept (scheduled tokens minus rejected drafts), see
@@ -285,8 +321,9 @@ class ModelRunner:
         run in order, so the next step always finds it here."""
         batch = self.input_batch
         for rid, toks in sampled.items():
-            if toks:
-                self.requests[rid].token_ids.extend(toks)
+            st = self.requests.get(rid)
+            if toks and st is not None:
+                st.token_ids.extend(toks)
                 row = batch.req_id_to_index.get(rid)
                 if row is not None:
                     batch.append_token_ids(row, toks)

@@ -5,12 +5,14 @@ No vLLM counterpart file (vLLM's CI runs its kernel and model tests on GPU runne
 Selected: every test file that asks `torch.cuda.is_available()` (they run
 on the GPU when there is one: the Triton kernels compiled, the `triton`
 backend serving models, the regressions of Chapters 1 and 4), plus the
-engine's CUDA-graph padding tests (real captures and replays there), parity
-and invariance tests, which `tests/engine_utils.py` points at CUDA and the
-`triton` backend through MINI_VLLM_TEST_DEVICE and
-MINI_VLLM_TEST_ATTENTION_BACKEND. Deselected on CUDA: the parametrisations
-that ask for the "cpu" backend by name (a CPU-only kernel; CUDA tensors are
-not its input). The verdict comes from pytest's JUnit XML; the whole log is
+engine's asynchronous-scheduling tests (deferred outputs, pinned uploads and
+tokens fed back on the device do real work only on CUDA), CUDA-graph
+padding tests (real captures and replays there), parity and invariance
+tests, which `tests/engine_utils.py` points at CUDA and the `triton`
+backend through MINI_VLLM_TEST_DEVICE and MINI_VLLM_TEST_ATTENTION_BACKEND.
+Deselected on CUDA: the parametrisations that ask for the "cpu" backend by
+name (a CPU-only kernel; CUDA tensors are not its input). The verdict comes
+from pytest's JUnit XML; the whole log is
 kept next to the report.
 """
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 
 from gpu_check_parts.environment import REPO
 
-ENGINE_TESTS = ["tests/test_ch5_cudagraph_padding.py", "tests/test_ch5_engine_parity.py",
-                "tests/test_ch5_engine_invariance.py"]
+ENGINE_TESTS = ["tests/test_ch5_async_scheduling.py", "tests/test_ch5_cudagraph_padding.py",
+                "tests/test_ch5_engine_parity.py", "tests/test_ch5_engine_invariance.py"]
 # --small: one quick file, enough to run the subprocess, the plugin and the XML parsing.
 SMALL_TESTS = ["tests/test_ch5_kv_budget.py"]
 CUDA_DESELECT = "not cpu"  # pytest -k: test ids of the CPU-only backend carry "[cpu]"
