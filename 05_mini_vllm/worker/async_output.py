@@ -69,23 +69,17 @@ class HostStaging:
         self._turn_up = self._turn_down = 0
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The arrays (int64 or int32, any shapes) on the device, as views of one
+        """The arrays (any numeric dtypes and shapes) on the device, as views of one
         transfer; dtypes and shapes are kept."""
         if not self.on_cuda:
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        sizes = [a.size * a.itemsize for a in arrays]
-        offsets = np.cumsum([0] + [-(-s // 8) * 8 for s in sizes])  # 8-byte aligned views
-        total = int(offsets[-1])
+        total = packed_size(arrays)
         buf = self._up[self._turn_up]
         if buf is None or buf.numel() < total:
             buf = self._up[self._turn_up] = torch.empty(max(total, 1 << 16), dtype=torch.uint8, pin_memory=True)
         self._turn_up ^= 1
-        host = buf.numpy()
-        for a, off, size in zip(arrays, offsets, sizes):
-            host[off:off + size] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [dev[off:off + size].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
-                for a, off, size in zip(arrays, offsets, sizes)]
+        pack_into(buf, arrays)
+        return unpack(buf[:total].to(self.device, non_blocking=True), arrays)
 
     def download(self, tokens: torch.Tensor) -> torch.Tensor:
         """A host copy of the int64 tensor, complete once the stream passes this
@@ -96,6 +90,32 @@ class HostStaging:
         self._turn_down ^= 1
         out.copy_(tokens, non_blocking=True)
         return out
+
+
+def _layout(arrays) -> tuple[list[int], list[int]]:
+    """(byte offsets, byte sizes): each array at an 8-byte boundary, so every view is aligned."""
+    sizes = [int(a.size) * a.itemsize for a in arrays]
+    offsets = np.cumsum([0] + [-(-n // 8) * 8 for n in sizes]).tolist()
+    return offsets, sizes
+
+
+def packed_size(arrays) -> int:
+    return _layout(arrays)[0][-1]
+
+
+def pack_into(buf: torch.Tensor, arrays) -> None:
+    """Write the arrays' bytes into the uint8 tensor `buf` (at least `packed_size` long)."""
+    host = buf.numpy()
+    offsets, sizes = _layout(arrays)
+    for a, off, n in zip(arrays, offsets, sizes):
+        host[off:off + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+
+
+def unpack(flat: torch.Tensor, arrays) -> list[torch.Tensor]:
+    """Views of the uint8 tensor `flat` (a copy of a packed buffer) with the arrays' dtypes and shapes."""
+    offsets, sizes = _layout(arrays)
+    return [flat[off:off + n].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+            for a, off, n in zip(arrays, offsets, sizes)]
 
 
 class DeferredStepOutput:
