@@ -283,9 +283,14 @@ def main() -> None:
         llm = llms[modes[0]]
         if use_vllm:
             ratios[n] = side_by_side(reqs, n, args.runs, llms, wl)
-        else:
-            t, _ = engine_run(reqs, llm, detokenize=wl.detokenize)
-            print(f"  mini-vLLM {modes[0]}: {t:.1f} s, {useful / t:.1f} output tok/s")
+        else:  # every mode, interleaved runs, as side_by_side times them
+            times = {m: [] for m in modes}
+            for _ in range(args.runs):
+                for mode, each in llms.items():
+                    time.sleep(SETTLE_S)
+                    times[mode].append(engine_run(reqs, each, detokenize=wl.detokenize)[0])
+            for mode in modes:
+                print(f"  mini-vLLM {mode:<14} {summary(times[mode], useful)}")
         if i == 0 and not args.skip_baselines and wl.name == "tiny":
             t_eng, toks = engine_run(reqs, llm)
             baselines(reqs, t_eng, toks, hf_sizes)
