@@ -62,8 +62,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="seeded_row_uses_global_rng",
         path=OPS,
-        old="noise[i].exponential_(generator=g)",
-        new="noise[i].exponential_()",
+        old="        noise[i] = _seeded_row_noise(g, vocab, device)",
+        new="        noise[i] = _seeded_row_noise(None, vocab, device)",
         tests=["tests/test_ch5_sampler.py", "tests/test_ch5_engine_api.py"],
         why="a seeded request draws from the global generator, so its tokens depend on the batch",
     ),
