@@ -28,6 +28,7 @@ throughputs). vLLM's client runs unchanged against `python -m mini_vllm serve`.
 
 Run: .venv/bin/python benchmarks/bench_serving.py [--rates 2 8 32] [--num-requests 48]
      [--threads 1] [--servers mini,vllm] [--vllm-bench-rates 4 16 inf] [--mini-async-scheduling]
+     [--mini-flags=-O1]
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -221,6 +223,8 @@ def main() -> None:
     ap.add_argument("--servers", default="mini,vllm", help="mini, vllm or both (vllm needs `make vllm`)")
     ap.add_argument("--mini-async-scheduling", action="store_true",
                     help="run the course's server with --async-scheduling (vLLM schedules asynchronously by default)")
+    ap.add_argument("--mini-flags", default="",
+                    help="more `mini_vllm serve` flags, as one string (e.g. --mini-flags=-O1 for the compiled model)")
     ap.add_argument("--vllm-bench-rates", nargs="*", default=["4", "16", "inf"],
                     help="rates for `vllm bench serve` (none: skip it)")
     ap.add_argument("--vllm-bench-num-prompts", type=int, default=100)
@@ -238,14 +242,16 @@ def main() -> None:
     print(f"{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, tiny target on CPU, each server pinned to "
           f"{args.threads} core(s), {args.kv_cache_memory_bytes >> 20} MiB KV cache"
-          + (", mini-vLLM with --async-scheduling" if args.mini_async_scheduling else ""))
+          + (", mini-vLLM with --async-scheduling" if args.mini_async_scheduling else "")
+          + (f", mini-vLLM with {args.mini_flags}" if args.mini_flags else ""))
     rows, texts, bench = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for which in servers:
             log = open(os.path.join(tmp, f"{which}.log"), "w")
             proc, url = ((None, args.base_url) if args.base_url else
                          start_server(args.threads, args.kv_cache_memory_bytes, which, log=log,
-                                      mini_flags=("--async-scheduling",) if args.mini_async_scheduling else ()))
+                                      mini_flags=tuple(shlex.split(args.mini_flags))
+                                      + (("--async-scheduling",) if args.mini_async_scheduling else ())))
             try:
                 rows[which], texts[which] = client_runs(url, reqs, args.rates, args.seed)
                 if vllm_python() is not None:
