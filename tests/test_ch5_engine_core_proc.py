@@ -52,8 +52,10 @@ def test_core_process_gives_the_in_process_outputs():
     of stop strings one step late) gives exactly what the in-process core gives."""
     params = [SamplingParams(max_tokens=24, temperature=0, logprobs=2, prompt_logprobs=1),
               SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3, logprobs=1),
-              SamplingParams(max_tokens=40, temperature=0, stop=["\n"], include_stop_str_in_output=True),
-              SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, stop=[":"])]
+              # The greedy request repeats "1 1 ..." on the tiny target: its stop string fires whatever
+              # the sampler's noise; the seeded one stops at the first line break or colon.
+              SamplingParams(max_tokens=40, temperature=0, stop=["1 1"], include_stop_str_in_output=True),
+              SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, stop=[":", "\n"])]
     here = make_llm(block_size=16, multiprocess_mode=False)
     want = here.generate(PROMPTS, params, use_tqdm=False)
     there = make_llm(block_size=16, multiprocess_mode=True)
@@ -65,7 +67,8 @@ def test_core_process_gives_the_in_process_outputs():
                                                 "extra tokens after a stop string, or logprobs garbled in transit)"
         assert [o.prompt_logprobs for o in got[:1]] == [o.prompt_logprobs for o in want[:1]], \
             "prompt logprobs differ across the process boundary"
-        assert any(c.finish_reason == "stop" for o in got[2:] for c in o.outputs), "no stop string fired"
+        assert all(c.finish_reason == "stop" for o in got[2:] for c in o.outputs), \
+            "a request with a stop string ran to max_tokens: the test did not exercise stop strings"
         free = there.llm_engine.engine_core.call_utility("num_free_blocks")
         assert free == there.llm_engine.num_gpu_blocks, "the core process leaked KV blocks (a stop-string abort lost)"
     finally:
