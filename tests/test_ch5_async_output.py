@@ -8,7 +8,7 @@ import torch
 
 from mini_vllm.sample.sampler import LogprobsTensors
 from mini_vllm.worker.async_output import (DeferredStepOutput, HostStaging, feedback_indices, pack_into,
-                                           packed_size, unpack)
+                                           packed_layout, unpack)
 
 
 def test_packed_uploads_come_back_with_their_dtypes_shapes_and_values():
@@ -18,9 +18,10 @@ def test_packed_uploads_come_back_with_their_dtypes_shapes_and_values():
               np.array([0, 4, 9, 12], dtype=np.int32),                # query start locations
               np.zeros(0, dtype=np.int64),                            # no feedback this step
               rng.integers(0, 50, size=3, dtype=np.int64)]            # after an empty one
-    buf = torch.zeros(packed_size(arrays), dtype=torch.uint8)
-    pack_into(buf, arrays)
-    out = unpack(buf.clone(), arrays)  # the device copy stands in for the packed buffer
+    layout = packed_layout(arrays)
+    buf = torch.zeros(layout[0][-1], dtype=torch.uint8)
+    pack_into(buf, arrays, layout)
+    out = unpack(buf.clone(), arrays, layout)  # the device copy stands in for the packed buffer
     for a, t in zip(arrays, out):
         assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape, \
             "an upload came back with another dtype or shape: its bytes were cut at the wrong offsets"

@@ -70,15 +70,8 @@ class AttentionMetadata:
         the runner checks the host copies (no GPU-to-host reads) and uploads once."""
         if self.slot_mapping.device == torch.device(device):
             return self
-        out = AttentionMetadata(
-            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
-            block_tables=self.block_tables.to(device, non_blocking=True),
-            cu_seqlens_q=self.cu_seqlens_q.to(device, non_blocking=True),
-            seq_lens=self.seq_lens.to(device, non_blocking=True),
-            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            query_lens_cpu=self.query_lens_cpu, seq_lens_cpu=self.seq_lens_cpu)
-        out._validated_for = self._validated_for
-        return out
+        return self.with_tensors(*(t.to(device, non_blocking=True) for t in
+                                   (self.slot_mapping, self.block_tables, self.cu_seqlens_q, self.seq_lens)))
 
     @property
     def num_seqs(self) -> int:

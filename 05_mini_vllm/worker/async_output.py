@@ -62,7 +62,6 @@ class HostStaging:
     def __init__(self, device: torch.device, max_tokens: int) -> None:
         self.device = device
         self.on_cuda = device.type == "cuda"
-        self.max_tokens = max_tokens
         self._up: list[torch.Tensor | None] = [None, None]
         self._down = [torch.empty(max_tokens, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if self.on_cuda else []
@@ -73,13 +72,14 @@ class HostStaging:
         transfer; dtypes and shapes are kept."""
         if not self.on_cuda:
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        total = packed_size(arrays)
+        layout = packed_layout(arrays)
+        total = layout[0][-1]
         buf = self._up[self._turn_up]
         if buf is None or buf.numel() < total:
             buf = self._up[self._turn_up] = torch.empty(max(total, 1 << 16), dtype=torch.uint8, pin_memory=True)
         self._turn_up ^= 1
-        pack_into(buf, arrays)
-        return unpack(buf[:total].to(self.device, non_blocking=True), arrays)
+        pack_into(buf, arrays, layout)
+        return unpack(buf[:total].to(self.device, non_blocking=True), arrays, layout)
 
     def download(self, tokens: torch.Tensor) -> torch.Tensor:
         """A host copy of the int64 tensor, complete once the stream passes this
@@ -92,28 +92,25 @@ class HostStaging:
         return out
 
 
-def _layout(arrays) -> tuple[list[int], list[int]]:
-    """(byte offsets, byte sizes): each array at an 8-byte boundary, so every view is aligned."""
+def packed_layout(arrays) -> tuple[list[int], list[int]]:
+    """(byte offsets, byte sizes) of the arrays in one buffer, each at an 8-byte
+    boundary so every view is aligned; offsets[-1] is the buffer's length."""
     sizes = [int(a.size) * a.itemsize for a in arrays]
     offsets = np.cumsum([0] + [-(-n // 8) * 8 for n in sizes]).tolist()
     return offsets, sizes
 
 
-def packed_size(arrays) -> int:
-    return _layout(arrays)[0][-1]
-
-
-def pack_into(buf: torch.Tensor, arrays) -> None:
-    """Write the arrays' bytes into the uint8 tensor `buf` (at least `packed_size` long)."""
+def pack_into(buf: torch.Tensor, arrays, layout) -> None:
+    """Write the arrays' bytes into the uint8 tensor `buf` at their `packed_layout`."""
     host = buf.numpy()
-    offsets, sizes = _layout(arrays)
+    offsets, sizes = layout
     for a, off, n in zip(arrays, offsets, sizes):
         host[off:off + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
 
 
-def unpack(flat: torch.Tensor, arrays) -> list[torch.Tensor]:
+def unpack(flat: torch.Tensor, arrays, layout) -> list[torch.Tensor]:
     """Views of the uint8 tensor `flat` (a copy of a packed buffer) with the arrays' dtypes and shapes."""
-    offsets, sizes = _layout(arrays)
+    offsets, sizes = layout
     return [flat[off:off + n].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
             for a, off, n in zip(arrays, offsets, sizes)]
 
@@ -209,10 +206,7 @@ def defer_step(runner, hidden: torch.Tensor, md, req_ids: list[str], logit_rows:
     tokens = lp = None
     counts: dict[str, int] = {}
     if rids:
-        states = [runner.requests[r] for r in rids]
-        logits = runner.model.compute_logits(hidden.index_select(0, logit_rows))
-        out = runner.sampler(logits, runner._sampling_metadata(states, logits.device,
-                                                              runner._grammar_bitmask(states)))
+        states, out = runner._sample_on_device(runner.model.compute_logits(hidden.index_select(0, logit_rows)), rids)
         tokens, lp = out.sampled_token_ids, out.logprobs_tensors
         if lp is not None:
             counts = {st.req_id: st.sampling_params.logprobs for st in states

@@ -337,10 +337,14 @@ class ModelRunner:
         return self.input_batch.refresh_metadata([s.req_id for s in states], [s.output_token_ids for s in states],
                                                  device, token_bitmask)
 
-    def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
+    def _sample_on_device(self, logits, rids: list[str]):
+        """(the requests' states, the SamplerOutput): one token per row, still on the device."""
         states = [self.requests[r] for r in rids]
-        md_s = self._sampling_metadata(states, logits.device, self._grammar_bitmask(states))
-        out = self.sampler(logits, md_s)
+        return states, self.sampler(logits, self._sampling_metadata(states, logits.device,
+                                                                    self._grammar_bitmask(states)))
+
+    def _sample(self, logits, rids: list[str], sampled: dict, logprobs: dict) -> None:
+        states, out = self._sample_on_device(logits, rids)
         toks = out.sampled_token_ids.tolist()
         lp = out.logprobs_tensors
         if lp is not None:

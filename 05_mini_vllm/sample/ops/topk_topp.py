@@ -153,16 +153,21 @@ def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Genera
     batch, vocab = shape
     noise = torch.empty(batch, vocab, dtype=torch.float32, device=device)
     if len(generators) < batch:
-        noise.uniform_().log_().neg_()
+        _exp1_(noise)
     for i, g in generators.items():
         noise[i] = _seeded_row_noise(g, vocab, device)
     return noise.clamp_(min=_MIN_NOISE)
 
 
+def _exp1_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill t with Exp(1) draws, -log(U) for U ~ Uniform[0, 1) (see `exponential_noise`); returns t."""
+    return t.uniform_(generator=generator).log_().neg_()
+
+
 def _seeded_row_noise(g: torch.Generator, vocab: int, device) -> torch.Tensor:
     """One seeded row's V noises, computed alone (the same bits on every path:
     a vectorised log over a longer buffer may round a row's tail differently)."""
-    return torch.empty(vocab, dtype=torch.float32, device=device).uniform_(generator=g).log_().neg_()
+    return _exp1_(torch.empty(vocab, dtype=torch.float32, device=device), g)
 
 
 def random_sample(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -189,7 +194,7 @@ def random_sample_candidates(values: torch.Tensor, ids: torch.Tensor, generators
     batch, c = values.shape
     noise = torch.empty(batch, c, dtype=torch.float32, device=values.device)
     if len(generators) < batch:
-        noise.uniform_().log_().neg_()
+        _exp1_(noise)
     for i, g in generators.items():
         noise[i] = _seeded_row_noise(g, vocab, values.device)[ids[i]]
     noise.clamp_(min=_MIN_NOISE)
