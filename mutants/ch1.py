@@ -328,6 +328,31 @@ MUTANTS: list[Mutant] = [
         tests=NATIVE_TESTS,
         why="C++ kernel: a decode item of all KV heads computes only its first",
     ),
+    # decode_block_major: a decode of every KV head, block by block in memory order
+    Mutant(
+        name="native_block_major_acc_not_rescaled",
+        path=NATIVE,
+        old="_mm512_storeu_ps(acc + x * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), al));",
+        new="_mm512_storeu_ps(acc + x * D + d, _mm512_loadu_ps(acc + x * D + d));",
+        tests=NATIVE_TESTS,
+        why="C++ kernel, whole decodes: what earlier blocks accumulated is not rescaled when the max rises",
+    ),
+    Mutant(
+        name="native_block_major_scores_head_zero",
+        path=NATIVE,
+        old="scores<E>(qrow + h * group, group, kb + j * row + h * D, row, nj, D, a.scale, s + h * group * bs + j, bs);",
+        new="scores<E>(qrow + h * group, group, kb + j * row, row, nj, D, a.scale, s + h * group * bs + j, bs);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel, whole decodes: every KV head's rows scored against KV head 0's keys (slot offset without the head's)",
+    ),
+    Mutant(
+        name="native_block_major_pv_first_slot_weight",
+        path=NATIVE,
+        old="x = _mm512_fmadd_ps(_mm512_set1_ps(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);",
+        new="x = _mm512_fmadd_ps(_mm512_set1_ps(j < nj ? p[r * p_stride] : 0.0f), vv[j], x);",
+        tests=NATIVE_TESTS,
+        why="C++ kernel, whole decodes: each group of four slots' values weighted by the first slot's probability",
+    ),
     # attend_tile: prefill and chunk tiles of 16+ rows, a row per SIMD lane
     Mutant(
         name="native_tile_causal_misses_own_token",
