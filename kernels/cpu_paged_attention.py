@@ -461,7 +461,13 @@ def _plan(cu_seqlens_q, seq_lens, tile_tokens, num_kv_heads, decode_path, thread
         num_decodes += cu_seqlens_q[i + 1] - cu_seqlens_q[i] == 1
     decode_heads = 0  # no decode items
     if decode_path:
-        decode_heads = num_kv_heads if num_decodes >= items_per_thread * threads or threads == 1 else 1
+        decode_heads = num_kv_heads
+        if num_decodes < items_per_thread * threads and threads > 1:
+            # too few decodes to share: each split into about `threads` items of whole KV heads
+            # (a divisor of num_kv_heads), which still read a contiguous run of each slot
+            decode_heads = max(1, num_kv_heads // threads)
+            while num_kv_heads % decode_heads:
+                decode_heads -= 1
     count = 0
     for i in range(num_seqs):
         q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i]
@@ -494,8 +500,9 @@ def plan_items(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, tile_tokens: int,
     and the number of KV heads a decode item covers (0: no decode items).
     With items handed out one at a time, the last to start are the short
     ones and the threads finish together. A sequence of q_len 1 (a decode) is
-    one item of all its KV heads, or one per KV head when there are too few
-    decodes to share among the threads (DECODE_ITEMS_PER_THREAD); any other
+    one item of all its KV heads, or, when there are too few decodes to share
+    among the threads (DECODE_ITEMS_PER_THREAD), about one item per thread of
+    num_kv_heads // threads heads each (rounded down to a divisor); any other
     sequence, and any decode whose group exceeds DECODE_MAX_GROUP, is one
     item per (query tile, KV head). The sort is numpy's: a compiled argsort
     would add seconds to the first call."""

@@ -135,13 +135,20 @@ def test_decode_batch_mixed_with_prefills_and_chunks():
        st.integers(1, 3), st.sampled_from((2, 8, 64)))
 def test_plan_covers_every_query_row_once(batch, group, num_kv_heads, threads, tile_tokens):
     """Every (sequence, query token, KV head) is in exactly one work item, for
-    decode items of all KV heads, decode items split per KV head (few decodes,
-    several threads), tiled decodes (group above DECODE_MAX_GROUP) and
+    decode items of all KV heads, decode items split into runs of KV heads (few
+    decodes, several threads), tiled decodes (group above DECODE_MAX_GROUP) and
     prefill tiles; items come longest first."""
     cu = np.array(batch.cu_seqlens_q, dtype=np.int32)
     seq_lens = np.array(batch.seq_lens, dtype=np.int32)
     item_seq, item_t0, item_h0, decode_heads = cpa.plan_items(cu, seq_lens, tile_tokens, num_kv_heads, group, threads)
-    assert decode_heads == 0 if group > cpa.DECODE_MAX_GROUP else decode_heads in (1, num_kv_heads)
+    decodes = sum(q == 1 for q in batch.q_lens)
+    if group > cpa.DECODE_MAX_GROUP:
+        want_heads = 0
+    elif threads == 1 or decodes >= cpa.DECODE_ITEMS_PER_THREAD * threads:
+        want_heads = num_kv_heads
+    else:  # few decodes: split into about one item per thread, of whole KV heads
+        want_heads = max(d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and d <= max(1, num_kv_heads // threads))
+    assert decode_heads == want_heads, f"a decode item covers {decode_heads} KV heads, expected {want_heads}"
     covered, costs = [], []
     for i, t0, h0 in zip(item_seq, item_t0, item_h0):
         q_len, seq_len = batch.q_lens[i], batch.seq_lens[i]
@@ -248,16 +255,16 @@ def test_plan_cache_is_built_once_per_batch_and_changes_nothing(monkeypatch):
 
 def test_few_decodes_split_per_kv_head_give_identical_bits(monkeypatch):
     """With 2 threads and fewer than DECODE_ITEMS_PER_THREAD decodes per
-    thread, each decode becomes one item per KV head, so both threads get
-    work; a query row's arithmetic does not depend on the split, so the bits
-    match one thread's (all KV heads in one item)."""
+    thread, each decode becomes two items of half its KV heads, so both threads
+    get work; a query row's arithmetic does not depend on the split, so the
+    bits match one thread's (all KV heads in one item)."""
     batch = RaggedBatch(seq_lens=(300, 77, 32), q_lens=(1, 1, 1))
     layout = scrambled_layout(batch.seq_lens, 16, seed=4)
     shape = GQAShape(8, 4, 64)
     key_cache, value_cache, tables, seq_lens, ks, vs, qs = build_cache(batch, layout, shape, torch.float32, 4)
     args = (torch.cat(qs), key_cache, value_cache, tables, seq_lens, 0.125)
     cu = np.array(batch.cu_seqlens_q, dtype=np.int32)
-    assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=2)[3] == 1, "3 decodes on 2 threads: split"
+    assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=2)[3] == 2, "3 decodes on 2 threads: split in two"
     assert cpa.plan_items(cu, seq_lens.numpy(), 16, 4, 2, threads=1)[3] == 4, "1 thread: all KV heads per item"
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)  # at most 2, whatever the machine has
     with torch_threads(1):

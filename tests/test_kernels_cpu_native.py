@@ -138,7 +138,7 @@ def test_large_logits_need_the_running_max():
 @DTYPES
 def test_one_and_two_threads_give_identical_bits(monkeypatch, dtype):
     """Each item is one thread's, in a fixed order, and a row's arithmetic does not depend
-    on its item: two threads (and decodes split per KV head) give one thread's bits."""
+    on its item: two threads (and decodes split into runs of KV heads) give one thread's bits."""
     lens = [(60 + 37 * i) % 300 + 1 for i in range(24)]
     batch = RaggedBatch(seq_lens=tuple(lens), q_lens=tuple(s if i % 6 == 0 else 1 for i, s in enumerate(lens)))
     monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
@@ -148,11 +148,16 @@ def test_one_and_two_threads_give_identical_bits(monkeypatch, dtype):
     with torch_threads(2):
         for _ in range(3):
             assert torch.equal(one, cpa.paged_attention_varlen(*args)), "1 and 2 threads disagree (shared scratch?)"
-    few = RaggedBatch(seq_lens=(300, 77, 32), q_lens=(1, 1, 1))  # 3 decodes on 2 threads: one item per KV head
-    with torch_threads(1):
-        one, args = run(few, scrambled_layout(few.seq_lens, 16, seed=4), GQAShape(8, 4, 64), seed=4, dtype=dtype)
-    with torch_threads(2):
-        assert torch.equal(one, cpa.paged_attention_varlen(*args)), "decode items split per KV head change the bits"
+    # 3 decodes on 2 threads: each split into items of KV heads. Of 4 KV heads, two items of 2
+    # (decode_block_major); of 2, one per head (attend_item's head-by-head loop). One thread
+    # takes all the heads in one item (decode_block_major): both paths must give its bits.
+    few = RaggedBatch(seq_lens=(300, 77, 32), q_lens=(1, 1, 1))
+    for shape in (GQAShape(8, 4, 64), GQAShape(4, 2, 64)):
+        with torch_threads(1):
+            one, args = run(few, scrambled_layout(few.seq_lens, 16, seed=4), shape, seed=4, dtype=dtype)
+        with torch_threads(2):
+            assert torch.equal(one, cpa.paged_attention_varlen(*args)), \
+                f"decode items split into runs of KV heads change the bits ({shape})"
 
 
 @needs_native

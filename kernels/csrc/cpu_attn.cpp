@@ -18,7 +18,7 @@
 //     P = exp(S - running max)   keys in a row's future get P = 0
 //     acc = acc * alpha + P V    (V widened to fp32, fp32 FMAs)
 // Two paths: attend_item (decodes and small tiles: rows in registers, horizontal sums; a
-// decode of every KV head reads each block in memory order, decode_block_major) and
+// decode of several KV heads reads each block in memory order, decode_block_major) and
 // attend_tile (tiles of 16+ rows: a row per SIMD lane, everything vertical).
 // Invariants (as the numba kernel's):
 // - no slot at or past the item's last visible key is read or prefetched: a block's keys
@@ -492,42 +492,43 @@ void pv_slots(float* acc, const float* p, int64_t p_stride, const typename E::T*
   }
 }
 
-// One decode (a single query token) x every KV head, in the cache's memory order. A block
-// holds its slots one after another, each slot every KV head: [slot][head][D]. attend_item
-// goes head by head, reading a head's rows of a block a whole slot apart; here both passes
-// over a block (the scores, then P V) take four slots at a time across all the heads, so
-// each pass reads the block front to back, and the same slots of the next block are
-// prefetched as it goes (as the numba kernel does). On a Zen 4 core (AMD EPYC, family 25,
-// 1 thread; 28 layers' caches, so each call starts cold), 16 Qwen3 decodes of 80-190 tokens
-// in bf16 with block 32 took 1.47 ms head by head and 0.95 ms this way: a software prefetch
-// holds one of the core's few L1 miss buffers until its line arrives, and reads a slot apart
-// give the L2's stream prefetcher no run to follow. Each row's arithmetic is attend_item's,
-// operation for operation (the same bits).
+// One decode (a single query token) x KV heads h0..h1-1 (two or more), in the cache's memory
+// order. A block holds its slots one after another, each slot all the KV heads:
+// [slot][head][D], so a slot's heads h0..h1-1 are one contiguous run. The head-by-head loop
+// of attend_item reads a head's rows of a block a whole slot apart; here both passes over a
+// block (the scores, then P V) take four slots at a time across the item's heads, so each
+// pass reads the block front to back, and the same slots of the next block are prefetched
+// head by head between the heads' work (as the numba kernel does). On a Zen 4 core (AMD
+// EPYC, family 25, 1 thread; 28 layers' caches, so each call starts cold), 16 Qwen3 decodes
+// of 80-190 tokens in bf16 with block 32 took 1.47 ms head by head and 0.80 ms this way: a
+// software prefetch holds one of the core's few L1 miss buffers until its line arrives, and
+// reads a slot apart give the L2's stream prefetcher no run to follow (kernels/NOTES.md).
+// Each row's arithmetic is attend_item's, operation for operation: the same bits.
 template <class E>
-void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t num_blocks,
+void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t num_blocks, int64_t h0, int64_t h1,
                         const typename E::T** qrow, float* acc, float* s, float* m, float* l, float* alpha) {
   using T = typename E::T;
-  const int64_t D = sq.D, bs = sq.bs, KVH = sq.KVH, row = sq.row_elems;
+  const int64_t D = sq.D, bs = sq.bs, heads = h1 - h0, row = sq.row_elems;
   const int group = static_cast<int>(sq.group);
   const int64_t slot_bytes = row * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     const int n = sq.block_keys(start, kv_end);
-    const T* kb = sq.keys(sq.table[b], 0);
-    const T* vb = sq.values(sq.table[b], 0);
+    const T* kb = sq.keys(sq.table[b], h0);  // slot 0, head h0: a slot's heads h0..h1-1 are contiguous
+    const T* vb = sq.values(sq.table[b], h0);
     // The next block's readable slots (none at or past kv_end), four at a time.
-    const T* kn = b + 1 < num_blocks ? sq.keys(sq.table[b + 1], 0) : nullptr;
-    const T* vn = b + 1 < num_blocks ? sq.values(sq.table[b + 1], 0) : nullptr;
+    const T* kn = b + 1 < num_blocks ? sq.keys(sq.table[b + 1], h0) : nullptr;
+    const T* vn = b + 1 < num_blocks ? sq.values(sq.table[b + 1], h0) : nullptr;
     const int nn = b + 1 < num_blocks ? sq.block_keys(start + bs, kv_end) : 0;
     for (int j = 0; j < n; j += 4) {
       const int nj = n - j < 4 ? n - j : 4;
       const int pj = j < nn ? (nn - j < 4 ? nn - j : 4) : 0;
-      for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         for (int c = 0; c < pj; ++c) prefetch_rows(kn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(T)));
         scores<E>(qrow + h * group, group, kb + j * row + h * D, row, nj, D, a.scale, s + h * group * bs + j, bs);
       }
     }
-    for (int x = 0; x < KVH * group; ++x) {  // a decode sees every key up to kv_end: seen = n
+    for (int x = 0; x < heads * group; ++x) {  // a decode sees every key up to kv_end: seen = n
       alpha[x] = softmax_step(s + x * bs, n, n, m + x, l + x);
       const __m512 al = _mm512_set1_ps(alpha[x]);
       for (int64_t d = 0; d < D; d += 16)
@@ -536,7 +537,7 @@ void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t
     for (int j = 0; j < n; j += 4) {
       const int nj = n - j < 4 ? n - j : 4;
       const int pj = j < nn ? (nn - j < 4 ? nn - j : 4) : 0;
-      for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         for (int c = 0; c < pj; ++c) prefetch_rows(vn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(T)));
         pv_slots<E>(acc + h * group * D, s + h * group * bs + j, bs, vb + j * row + h * D, row, nj, D, group);
       }
@@ -571,9 +572,9 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       for (int64_t d = 0; d < D; ++d) acc[x * D + d] = 0.0f;
     }
   const int64_t num_blocks = (kv_end + bs - 1) / bs;
-  const bool whole_decode = t1 - t0 == 1 && h1 - h0 == sq.KVH;  // one token, every KV head
-  if (whole_decode) decode_block_major<E>(a, sq, kv_end, num_blocks, qrow, acc, s, m, l, alpha);
-  for (int64_t b = 0; !whole_decode && b < num_blocks; ++b) {
+  const bool decode = t1 - t0 == 1 && h1 - h0 > 1;  // one token, several KV heads
+  if (decode) decode_block_major<E>(a, sq, kv_end, num_blocks, h0, h1, qrow, acc, s, m, l, alpha);
+  for (int64_t b = 0; !decode && b < num_blocks; ++b) {
     const int64_t start = b * bs;
     const int n = sq.block_keys(start, kv_end);
     const int64_t phys = sq.table[b];
