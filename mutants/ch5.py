@@ -272,4 +272,12 @@ MUTANTS: list[Mutant] = [
         tests=EAGLE_TESTS,
         why="the chain feeds the target's last hidden state again instead of the head's own output",
     ),
+    Mutant(
+        name="compiled_graph_unpacks_linears",
+        path="05_mini_vllm/models/cpu_ops.py",
+        old="return torch.ops.mini_vllm.onednn_linear(x, weight, bias, owner._onednn_name)",
+        new="return F.linear(x, weight, bias)",
+        tests=["tests/test_ch5_compilation.py::test_compiled_pieces_keep_the_packed_linears"],
+        why="the compiled CPU model traces its linears to torch's matmul on the unpacked weight (slower in bf16)",
+    ),
 ]

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from hf_configs import tiny_config
 from mini_vllm.attention.metadata import AttentionMetadata
-from mini_vllm.compilation.backends import compile_forward
+from mini_vllm.compilation.backends import _op_name, compile_forward
 from mini_vllm.compilation.config import CompilationConfig, CompilationMode
 from mini_vllm.forward_context import set_forward_context
 from mini_vllm.models import load_model
@@ -209,6 +209,26 @@ def test_piece_wrapper_receives_every_compiled_piece(runs, models, arch):
         f"{arch}: piece_wrapper was handed the FX piece, not the inductor-compiled one"
     assert rec.calls == {i: 5 for i in range(n + 1)}, (
         f"{arch}: wrapped pieces were called {rec.calls} times over 5 steps: the wrapper was bypassed")
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_compiled_pieces_keep_the_packed_linears(models, arch):
+    """On the CPU every linear layer of the traced graph is `mini_vllm::onednn_linear`
+    (the weight packed once for oneDNN, as in eager mode), never a plain matmul that
+    inductor would run on the unpacked weight: four per layer (qkv, o, gate_up, down).
+    The FX backend traces the same graph as inductor's, without compiling it."""
+    model, config = models[arch]
+    n = config.num_hidden_layers
+    cf = compile_forward(model, CompilationConfig(mode=VLLM, backend="eager"))
+    logits, tokens, _ = run_scenario(model, config, cf)
+    assert tokens == run_scenario(model, config, model)[1], f"{arch}: the traced graph's tokens differ from eager"
+    calls = [node.target for p in cf.stats.pieces for node in p.graph.graph.nodes if node.op == "call_function"]
+    packed = sum(_op_name(t) == "mini_vllm::onednn_linear" for t in calls)
+    plain = [str(t) for t in calls if t in (torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm,
+                                           torch.addmm)]
+    assert packed == 4 * n and not plain, (
+        f"{arch}: the compiled graph has {packed} packed linears (want {4 * n}) and plain matmuls {plain}: "
+        "the packed oneDNN matmul was traced through to torch's linear")
 
 
 def test_eager_backend_split_matches_eager(models):
