@@ -155,9 +155,10 @@ def _(x, weight, bias, owner):
 
 
 def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """What both compiled paths need: switched on, x on the CPU, no autograd graph to
-    record, and not being traced by `torch.compile` (Dynamo cannot follow numba or a
-    weight cache kept in a Python attribute; inductor fuses the torch code itself)."""
+    """What the fused ops need: switched on, x on the CPU, no autograd graph to record,
+    and not being traced by `torch.compile` (Dynamo cannot follow numba; inductor fuses
+    the torch code itself). `linear` checks the same but for tracing, which it survives
+    as an op of the graph."""
     return (CPU_OPS == "compiled" and x.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 

@@ -30,7 +30,6 @@
 // Arithmetic: fp32 scores, softmax, accumulators; a bf16 output is rounded to nearest even,
 // as torch's .to(torch.bfloat16) rounds.
 #include <immintrin.h>
-#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 
