@@ -509,7 +509,6 @@ void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t
   using T = typename E::T;
   const int64_t D = sq.D, bs = sq.bs, heads = h1 - h0, row = sq.row_elems;
   const int group = static_cast<int>(sq.group);
-  const int64_t slot_bytes = row * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     const int n = sq.block_keys(start, kv_end);
