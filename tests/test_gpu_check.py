@@ -75,6 +75,8 @@ def test_small_cpu_run_fills_every_section(report):
     assert [q["batch"] for q in p["rows"]] == list(plan.profile_batches)
     assert all(q["device_busy_ms_per_step"] > 0 and q["running_during_profile"] == q["batch"] for q in p["rows"]), \
         "the profile saw no busy time, or requests finished before the profiled steps"
+    assert any("step" in line for line in p["rows"][0]["host_profile"]) and "Host profile of batch 1" in (
+        out / "report.md").read_text(), "batch 1's host profile (where the wall time beyond busy goes) is missing"
 
     m = r["sections"]["memory"]
     kvh, d = 2, 16  # the small checkpoint: 2 layers, 2 KV heads of 16, bf16

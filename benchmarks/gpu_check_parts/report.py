@@ -113,6 +113,8 @@ def markdown(r: dict) -> str:
                   "| batch | wall ms/step | busy ms/step | host ms/step | wall / busy |", "|---|---|---|---|---|"]
         lines += [f"| {q['batch']} | {q['wall_ms_per_step']:.2f} | {q['device_busy_ms_per_step']:.2f} | "
                   f"{q['host_ms_per_step']:.2f} | {_num(q['wall_over_busy'], '{:.2f}')} |" for q in p["rows"]]
+        lines += [f"\nHost profile of batch {q['batch']}'s decode steps (cProfile, by own time):\n\n```\n"
+                  + "\n".join(q["host_profile"]) + "\n```" for q in p["rows"] if q.get("host_profile")]
     mem = s.get("memory", {})
     if "num_gpu_blocks" in mem:
         lines += ["", "## KV cache sizing", "", f"Rule: {mem['budget_rule']}. {mem['num_gpu_blocks']} blocks x "
