@@ -5,14 +5,16 @@ which re-exports them from its `checks.py`) share these, so a learner sees one
 error whichever implementation runs. They live here because kernels may not
 import from chapters (imports flow kernels <- 01 <- 02 ...).
 
-Cost: the data-dependent checks (block-table entries, cu_seqlens_q) read
-small index tensors back to the host, one synchronisation each, vectorised
-over the batch (no per-sequence `.item()`).
+Cost: the data-dependent checks (block-table entries, cu_seqlens_q) read the
+small index tensors on the host (a device tensor is copied once, one
+synchronisation each) and run vectorised in numpy over the batch (no
+per-sequence `.item()`).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .validation import CACHE_DTYPES, check_block_tables, check_kv_cache, check_num_heads, check_tensor
@@ -37,21 +39,29 @@ def check_scale(scale) -> None:
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
 
 
+def host_values(t: torch.Tensor) -> np.ndarray:
+    """An index tensor's values as a numpy array: a view of a CPU tensor (no copy),
+    one copy and one synchronisation for a device tensor. The checks below run in
+    numpy, where an operation on a handful of values costs a microsecond, not the
+    several a tensor operation costs on the host (the engine checks every step)."""
+    return t.detach().cpu().numpy()
+
+
 def check_table_entries(block_tables, seq_lens, block_size: int, num_blocks: int) -> None:
     """The first ceil(seq_len / block_size) entries of each row must be in
     [0, num_blocks); entries past them may be anything (-1) and are never read."""
     if block_tables.shape[0] == 0:
         return
-    used_count = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-    col = torch.arange(block_tables.shape[1], device=block_tables.device)
-    used = col[None, :] < used_count[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    if bool(bad.any()):
-        i = int(bad.any(dim=1).nonzero()[0])
+    table, lens = host_values(block_tables), host_values(seq_lens).astype(np.int64)
+    used_count = (lens + block_size - 1) // block_size
+    used = np.arange(table.shape[1])[None, :] < used_count[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        i = int(np.flatnonzero(bad.any(axis=1))[0])
         n = int(used_count[i])
         raise ValueError(
             f"block_tables[{i}, :{n}] must hold physical block ids in [0, {num_blocks}) "
-            f"for seq_len {int(seq_lens[i])}, got {block_tables[i, :n].tolist()}"
+            f"for seq_len {int(lens[i])}, got {table[i, :n].tolist()}"
         )
 
 
@@ -63,18 +73,19 @@ def check_cu_seqlens_q(cu_seqlens_q, seq_lens, num_tokens: int, device) -> None:
         raise ValueError(
             f"cu_seqlens_q must have num_seqs + 1 = {seq_lens.shape[0] + 1} entries, got {cu_seqlens_q.shape[0]}"
         )
-    if int(cu_seqlens_q[0]) != 0:
-        raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu_seqlens_q[0])}")
-    if int(cu_seqlens_q[-1]) != num_tokens:
-        raise ValueError(f"cu_seqlens_q must end at query's num_tokens {num_tokens}, got {int(cu_seqlens_q[-1])}")
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
-    if q_lens.numel() and int(q_lens.min()) < 1:
-        raise ValueError(f"cu_seqlens_q must increase by >= 1 per sequence (q_len >= 1), got {cu_seqlens_q.tolist()}")
-    too_long = q_lens > seq_lens.to(torch.int64)
-    if bool(too_long.any()):
-        i = int(too_long.nonzero()[0])
+    cu, lens = host_values(cu_seqlens_q).astype(np.int64), host_values(seq_lens).astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
+    if cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens_q must end at query's num_tokens {num_tokens}, got {int(cu[-1])}")
+    q_lens = cu[1:] - cu[:-1]
+    if q_lens.size and q_lens.min() < 1:
+        raise ValueError(f"cu_seqlens_q must increase by >= 1 per sequence (q_len >= 1), got {cu.tolist()}")
+    too_long = q_lens > lens
+    if too_long.any():
+        i = int(np.flatnonzero(too_long)[0])
         raise ValueError(
-            f"cu_seqlens_q gives sequence {i} q_len {int(q_lens[i])} > seq_lens[{i}] {int(seq_lens[i])}: "
+            f"cu_seqlens_q gives sequence {i} q_len {int(q_lens[i])} > seq_lens[{i}] {int(lens[i])}: "
             "queries must be the last q_len of seq_len cached positions"
         )
 

@@ -75,7 +75,7 @@ def test_small_cpu_run_fills_every_section(report):
     assert [q["batch"] for q in p["rows"]] == list(plan.profile_batches)
     assert all(q["device_busy_ms_per_step"] > 0 and q["running_during_profile"] == q["batch"] for q in p["rows"]), \
         "the profile saw no busy time, or requests finished before the profiled steps"
-    assert any("step" in line for line in p["rows"][0]["host_profile"]) and "Host profile of batch 1" in (
+    assert any("_prepare_inputs" in line for line in p["rows"][0]["host_profile"]) and "Host profile of batch 1" in (
         out / "report.md").read_text(), "batch 1's host profile (where the wall time beyond busy goes) is missing"
 
     m = r["sections"]["memory"]
@@ -150,6 +150,11 @@ def test_cuda_test_selection_and_junit_parsing(tmp_path):
     assert (got["tests"], got["passed"], got["failures"], got["errors"], got["skipped"]) == (4, 1, 1, 1, 1)
     assert got["failed"] == [{"test": "tests.a::t2", "kind": "failure", "message": "AssertionError: wrong slot"},
                              {"test": "tests.b::t3", "kind": "error", "message": "boom"}]
+    log = ("....F\nGPU-CHECK FAILED tests/test_x.py::test_y[a (b)] (call)\n    def test_y():\n"
+           "E       AssertionError: logits differ from HF by 3.1e-04\nE       assert False\n\n..")
+    assert cuda_tests.failures_in_log(log) == [{"test": "tests/test_x.py::test_y[a (b)]", "kind": "call",
+                                               "message": "AssertionError: logits differ from HF by 3.1e-04"}], \
+        "a failure written to the log (the record of a run interrupted before its XML) was misread"
 
 
 def test_cpu_without_small_is_refused(capsys):

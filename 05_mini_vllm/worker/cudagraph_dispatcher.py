@@ -67,9 +67,10 @@ class StaticInputBuffers:
         """input ids and positions of this step, zero-padded to `padded` rows."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.input_ids[n:padded].zero_()
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.positions[n:padded].zero_()
+        if padded > n:  # each operation costs the host a launch, even on an empty range
+            self.input_ids[n:padded].zero_()
+            self.positions[n:padded].zero_()
         return self.input_ids[:padded], self.positions[:padded]
 
     def fill_decode_metadata(self, md: AttentionMetadata, padded: int) -> AttentionMetadata:
@@ -84,14 +85,15 @@ class StaticInputBuffers:
         if width > self.block_tables.shape[1]:
             raise ValueError(f"block_tables has {width} columns, the static buffer {self.block_tables.shape[1]}")
         self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:padded].fill_(-1)
         # Columns past `width` keep older entries: the kernels read only the first
         # ceil(seq_len / block_size) of a row, all of them written here.
         self.block_tables[:n, :width].copy_(md.block_tables, non_blocking=True)
-        self.block_tables[n:padded, 0] = 0
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
-        self.seq_lens[n:padded].fill_(1)
         pad = padded - n
+        if pad:
+            self.slot_mapping[n:padded].fill_(-1)
+            self.block_tables[n:padded, 0] = 0
+            self.seq_lens[n:padded].fill_(1)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:padded], block_tables=self.block_tables[:padded],
             cu_seqlens_q=self.cu_seqlens_q[:padded + 1], seq_lens=self.seq_lens[:padded],

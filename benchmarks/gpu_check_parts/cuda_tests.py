@@ -56,6 +56,22 @@ def parse_junit(path: Path) -> dict:
     return {**counts, "failed": failed}
 
 
+def failures_in_log(text: str) -> list[dict]:
+    """The failures `pytest_plugin` wrote to the log as they happened: the only record
+    of them when an interrupted run left no JUnit XML."""
+    from gpu_check_parts.pytest_plugin import FAILED_PREFIX
+
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if line.startswith(FAILED_PREFIX):
+            test, _, when = line[len(FAILED_PREFIX):].rpartition(" (")
+            detail = [x.strip() for x in lines[i + 1:i + 40] if x.startswith("E ")]
+            out.append({"test": test, "kind": when.rstrip(")"),
+                        "message": (detail[0][1:].strip() if detail else "")[:300]})
+    return out
+
+
 def run(out_dir: Path, device: str, small: bool, timeout_s: float, engine_first: bool = False) -> dict:
     """pytest on the selected files; at `timeout_s` it is interrupted (SIGINT), so the
     JUnit XML still lists the tests that ran, and killed 20 s later if it hangs."""
@@ -89,6 +105,7 @@ def run(out_dir: Path, device: str, small: bool, timeout_s: float, engine_first:
     if xml.exists():
         result.update(parse_junit(xml))
     else:
-        result.update(tests=0, failures=0, errors=0, skipped=0, passed=0, failed=[])
+        failed = failures_in_log(log.read_text(errors="replace"))
+        result.update(tests=0, failures=len(failed), errors=0, skipped=0, passed=0, failed=failed)
     result["ok"] = rc == 0 and result["tests"] > 0
     return result

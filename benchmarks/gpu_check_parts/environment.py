@@ -132,7 +132,10 @@ def check_versions(found: dict[str, str], need: dict[str, str] = MIN_VERSIONS) -
 def device_info(device: str) -> dict:
     import torch
 
-    info = {"device": device, "platform": platform.platform(), "cpu_count": __import__("os").cpu_count()}
+    from machine import cpu_info  # benchmarks/machine.py: the host CPU (its ISA decides the CPU tests' kernels)
+
+    info = {"device": device, "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+            "host_cpu": cpu_info()}
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         info.update(name=p.name, total_memory_bytes=p.total_memory, sm_count=p.multi_processor_count,

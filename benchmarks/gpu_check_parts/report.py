@@ -49,6 +49,8 @@ def markdown(r: dict) -> str:
     lines = [f"# mini-vLLM GPU check: {m['device_info'].get('name')} ({m['device']}{', --small' if m['small'] else ''})",
              "", f"Started {m['started']}, {m['seconds']:.0f} s. Versions: "
              + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + "."
+             + (f" Host CPU: {c['model_name']} ({m['device_info']['cpu_count']} cores; {', '.join(c['isa'])})."
+                if (c := m["device_info"].get("host_cpu")) else "")
              + (f" Carried wheels installed: {', '.join(m['wheels_installed'])}." if m.get("wheels_installed") else ""),
              ""]
     if m["device"] != "cuda":
@@ -113,7 +115,7 @@ def markdown(r: dict) -> str:
                   "| batch | wall ms/step | busy ms/step | host ms/step | wall / busy |", "|---|---|---|---|---|"]
         lines += [f"| {q['batch']} | {q['wall_ms_per_step']:.2f} | {q['device_busy_ms_per_step']:.2f} | "
                   f"{q['host_ms_per_step']:.2f} | {_num(q['wall_over_busy'], '{:.2f}')} |" for q in p["rows"]]
-        lines += [f"\nHost profile of batch {q['batch']}'s decode steps (cProfile, by own time):\n\n```\n"
+        lines += [f"\nHost profile of batch {q['batch']}'s decode steps (a timer per phase):\n\n```\n"
                   + "\n".join(q["host_profile"]) + "\n```" for q in p["rows"] if q.get("host_profile")]
     mem = s.get("memory", {})
     if "num_gpu_blocks" in mem:

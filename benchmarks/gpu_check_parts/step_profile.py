@@ -58,49 +58,64 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _host_profile(engine, steps: int, top: int = 20, interval_s: float = 2e-4) -> list[str]:
-    """Where the host's time goes over `steps` decode steps, in every thread (the
-    asynchronous engine prepares and launches a step in its step thread, which a
-    per-thread profiler such as cProfile would miss): a sampler thread reads every
-    thread's stack each `interval_s` and counts, per thread, the innermost
-    function (own time) and every function on the stack (inclusive time)."""
+def _host_profile(engine, steps: int) -> list[str]:
+    """Host microseconds per decode step in each phase, over `steps` steps: a
+    timer around the scheduler's, the runner's and the front end's methods (the
+    asynchronous engine runs the runner's in its step thread, the others in the
+    calling thread, so the phases of the two threads overlap). A phase's time
+    includes waiting for the GIL held by the other thread."""
     import collections
-    import sys
-    import threading
+    import functools
 
-    me = threading.get_ident()
-    names = {t.ident: t.name for t in threading.enumerate()}
-    own, incl, samples = collections.Counter(), collections.Counter(), collections.Counter()
-    done = threading.Event()
+    from mini_vllm.worker import async_output
 
-    def where(f) -> str:
-        return f"{f.f_code.co_name} ({'/'.join(f.f_code.co_filename.split('/')[-2:])}:{f.f_code.co_firstlineno})"
+    core = engine.engine_core.engine_core
+    runner = core.executor.driver_worker.model_runner
+    mf = runner.model_forward
+    spent, calls = collections.Counter(), collections.Counter()
+    restore = []
 
-    def sample() -> None:
-        while not done.wait(interval_s):
-            for tid, frame in sys._current_frames().items():
-                if tid == sampler.ident:
-                    continue
-                name = "main" if tid == me else names.get(tid, str(tid))
-                samples[name] += 1
-                own[(name, where(frame))] += 1
-                seen, f = set(), frame
-                while f is not None:
-                    seen.add(where(f))
-                    f = f.f_back
-                for w in seen:
-                    incl[(name, w)] += 1
+    def timed(owner, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+        had_own = isinstance(owner, type) or attr in vars(owner)
 
-    sampler = threading.Thread(target=sample, name="host-sampler", daemon=True)
-    sampler.start()
-    for _ in range(steps):
-        engine.step()
-    done.set()
-    sampler.join()
-    lines = [f"{steps} steps; samples per thread: {dict(samples)}"]
-    for title, counts in (("own", own), ("inclusive", incl)):
-        lines.append(f"-- {title}: % of the thread's samples, thread, function")
-        lines += [f"{100 * c / samples[t]:5.1f}%  {t:<12} {w}" for (t, w), c in counts.most_common(top if title == "own" else 2 * top)]
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t
+                calls[label] += 1
+        setattr(owner, attr, wrapper)
+        restore.append(lambda: setattr(owner, attr, fn) if had_own else delattr(owner, attr))
+
+    for owner, attr, label in [
+            (engine.engine_core, "get_output", "main: get_output (whole core step)"),
+            (core.scheduler, "schedule", "main: scheduler.schedule"),
+            (core.scheduler, "update_from_output", "main: scheduler.update_from_output"),
+            (async_output.DeferredStepOutput, "get_output", "main: wait for the step's tokens"),
+            (engine, "process_engine_outputs", "main: process_engine_outputs"),
+            (runner, "execute_model", "step thread: execute_model (whole)"),
+            (runner, "_prepare_inputs", "step thread: _prepare_inputs (upload included)"),
+            (mf, "full_graph", "step thread: graph replay call"),
+            (mf.static, "fill_tokens", "step thread: fill_tokens"),
+            (mf.static, "fill_decode_metadata", "step thread: fill_decode_metadata"),
+            (runner.model, "compute_logits", "step thread: compute_logits"),
+            (runner, "_sample_on_device", "step thread: sampler"),
+            (runner, "_settle", "step thread: _settle (previous step's tokens)")]:
+        if getattr(owner, attr, None) is not None:
+            timed(owner, attr, label)
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t
+    finally:
+        for undo in reversed(restore):
+            undo()
+    lines = [f"{steps} steps, {wall / steps * 1e6:.0f} us of wall time per step; per phase, us per step (calls):"]
+    lines += [f"{spent[k] / steps * 1e6:9.1f}  ({calls[k] / steps:.1f})  {k}" for k in sorted(spent)]
     return lines
 
 
@@ -111,7 +126,7 @@ def _profile_batch(engine, batch: int, plan: Plan, vocab: int, host_profile: boo
     gen = torch.Generator().manual_seed(batch)
     steps = plan.profile_steps
     wall_steps = 2 * steps
-    host_steps = 8 * steps if host_profile else 0
+    host_steps = 4 * steps if host_profile else 0
     params = SamplingParams(max_tokens=wall_steps + steps + host_steps + 8, temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
