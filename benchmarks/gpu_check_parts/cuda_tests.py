@@ -32,6 +32,7 @@ ENGINE_TESTS = ["tests/test_ch5_async_scheduling.py", "tests/test_ch5_cudagraph_
 # --small: one quick file, enough to run the subprocess, the plugin and the XML parsing.
 SMALL_TESTS = ["tests/test_ch5_kv_budget.py"]
 CUDA_DESELECT = "not cpu"  # pytest -k: test ids of the CPU-only backend carry "[cpu]"
+FAILED_PREFIX = "GPU-CHECK FAILED "  # pytest_plugin's line for a failure, written as it happens
 
 
 def cuda_test_files(tests_dir: Path = REPO / "tests") -> list[str]:
@@ -59,8 +60,6 @@ def parse_junit(path: Path) -> dict:
 def failures_in_log(text: str) -> list[dict]:
     """The failures `pytest_plugin` wrote to the log as they happened: the only record
     of them when an interrupted run left no JUnit XML."""
-    from gpu_check_parts.pytest_plugin import FAILED_PREFIX
-
     lines = text.splitlines()
     out = []
     for i, line in enumerate(lines):

@@ -3,11 +3,10 @@ from this checkout, installed or not (see `environment.use_source_tree`), and
 writes each failure to the log the moment it happens."""
 import sys
 
+from gpu_check_parts.cuda_tests import FAILED_PREFIX
 from gpu_check_parts.environment import use_source_tree
 
 use_source_tree()
-
-FAILED_PREFIX = "GPU-CHECK FAILED "
 
 
 def pytest_runtest_logreport(report) -> None:
