@@ -18,7 +18,7 @@ eagerly in its own process per configuration (one start-up each). The first line
 is the machine: every ratio holds for that CPU only.
 
 Run: .venv/bin/python benchmarks/bench_spec_vs_vllm.py [--threads 1,2] [--runs 2] [--k 3]
-     [--methods eagle,draft_model,ngram] [--skip-acceptance] [--skip-speed]
+     [--methods eagle,draft_model,ngram] [--batches 1,8,32] [--skip-acceptance] [--skip-speed]
 """
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def acceptance_table(threads: int) -> None:
         print(f"{k:>3}{mine:>12}{theirs:>12}  {pos_m} | {pos_v}", flush=True)
 
 
-def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_size: list | None = None) -> None:
+def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_size: list | None = None,
+                batches: tuple[int, ...] = (1, 8, 32)) -> None:
     prompts = held_out_prompts(32)
     print(f"\nOutput tok/s, {SPEED_TOKENS} tokens per request, best of {runs} ({threads} thread"
           f"{'s' * (threads > 1)}); speed-up over the same engine without speculation in brackets")
@@ -116,7 +117,7 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
     if per_batch_size is not None:  # EAGLE again, with the batch-size schedule of draft lengths
         methods.append(("eagle", k, per_batch_size))
     print(f"{'batch':>6}{'method':>18}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
-    for batch in (1, 8, 32):
+    for batch in batches:
         ps = prompts[:batch]
         useful = batch * SPEED_TOKENS
         base = {}
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--methods", default="eagle,draft_model,ngram", help="speed-table rows besides none")
+    ap.add_argument("--batches", default="1,8,32", help="speed-table batch sizes (at most 32)")
     ap.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON",
                     help="an extra EAGLE row with num_speculative_tokens_per_batch_size, e.g. "
                          "'[[1, 8, 3], [9, 64, 0]]' (both engines)")
@@ -161,7 +163,8 @@ def main() -> None:
         if not args.skip_acceptance:
             acceptance_table(n)
         if not args.skip_speed:
-            speed_table(n, args.runs, args.k, args.methods.split(","), args.per_batch_size)
+            speed_table(n, args.runs, args.k, args.methods.split(","), args.per_batch_size,
+                        tuple(int(b) for b in args.batches.split(",")))
 
 
 if __name__ == "__main__":
