@@ -47,6 +47,14 @@ def host_values(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+def check_slot_range(slot_mapping, num_slots: int) -> None:
+    """Every slot is -1 (padding: nothing written) or a slot of the cache."""
+    slots = host_values(slot_mapping)
+    if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
+        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots}), got range "
+                         f"[{int(slots.min())}, {int(slots.max())}]")
+
+
 def check_table_entries(block_tables, seq_lens, block_size: int, num_blocks: int) -> None:
     """The first ceil(seq_len / block_size) entries of each row must be in
     [0, num_blocks); entries past them may be anything (-1) and are never read."""
@@ -104,11 +112,7 @@ def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mappin
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
-    num_slots = num_blocks * block_size
-    # One host read-back for the range check (a CUDA build would skip it).
-    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
-        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots}), got range "
-                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    check_slot_range(slot_mapping, num_blocks * block_size)
     return num_blocks, block_size, num_kv_heads, head_dim
 
 

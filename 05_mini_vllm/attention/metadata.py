@@ -47,13 +47,11 @@ class AttentionMetadata:
         backend, which may also be called without a runner) returns at once."""
         if self._validated_for == (num_blocks, block_size):
             return
-        from mini_vllm.kernels.paged_checks import check_cu_seqlens_q, check_table_entries, host_values
+        from mini_vllm.kernels.paged_checks import check_cu_seqlens_q, check_slot_range, check_table_entries
 
         check_cu_seqlens_q(self.cu_seqlens_q, self.seq_lens, self.num_tokens, self.seq_lens.device)
         check_table_entries(self.block_tables, self.seq_lens, block_size, num_blocks)
-        sm = host_values(self.slot_mapping)
-        if sm.size and (sm.min() < -1 or sm.max() >= num_blocks * block_size):
-            raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_blocks * block_size})")
+        check_slot_range(self.slot_mapping, num_blocks * block_size)
         self._validated_for = (num_blocks, block_size)
 
     def with_tensors(self, slot_mapping, block_tables, cu_seqlens_q, seq_lens) -> "AttentionMetadata":
