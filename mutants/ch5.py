@@ -272,6 +272,24 @@ MUTANTS: list[Mutant] = [
         tests=EAGLE_TESTS,
         why="the chain feeds the target's last hidden state again instead of the head's own output",
     ),
+    # ---- which blocks hold the head's KV (speculative/head_kv.py) ----
+    Mutant(
+        name="eagle_gap_not_marked",
+        path="05_mini_vllm/speculative/head_kv.py",
+        old="self.stale[tables[rows, positions // self.bs]] = True",
+        new="pass",
+        tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner",
+               "tests/test_ch5_eagle.py::test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting"],
+        why="positions computed without the head leave no mark: their requests draft from holes in its KV",
+    ),
+    Mutant(
+        name="eagle_stale_block_never_cleared",
+        path="05_mini_vllm/speculative/head_kv.py",
+        old="self.stale[tables[rows[first], positions[first] // self.bs]] = False",
+        new="pass",
+        tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"],
+        why="a block once written without the head stays marked: every later owner of it stops drafting",
+    ),
     Mutant(
         name="compiled_graph_unpacks_linears",
         path="05_mini_vllm/models/cpu_ops.py",

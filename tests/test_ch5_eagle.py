@@ -160,34 +160,77 @@ def test_engine_drafts_are_the_reference_chain(monkeypatch, chapter):
     assert_pool_full(llm)
 
 
-def test_no_drafts_at_large_batches_and_the_head_keeps_its_kv(monkeypatch, chapter):
+def test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting(monkeypatch, chapter):
     """Dynamic speculation (num_speculative_tokens_per_batch_size): no drafts after a step
-    of 3 or more requests, 4 after a step of 1 or 2. Requests of different lengths
-    finish one by one, so the last ones draft after steps without drafts; their
-    drafts must still be the reference chain's, which reads the head's KV of every
-    earlier position: pass 1 must write it in the steps that draft nothing."""
+    of 3 or more requests, 4 after a step of 1 or 2, and no head pass at all in a step that
+    drafts nothing (speculative/head_kv.py). Then:
+    * the requests computed in such steps lack the head's KV there, so they draft no more,
+      even once fewer than 3 remain;
+    * a request whose prompt hits blocks written by them drafts nothing either;
+    * a fresh request drafts, and its drafts are the reference chain's (which reads the
+      head's KV of every earlier position, in blocks the first requests may have freed);
+    * every request's tokens are those of the engine without speculation."""
     import mini_vllm.worker.model_runner as mr
+    from mini_vllm.models.llama_eagle import EagleLlamaForCausalLM
 
-    llm = eagle_llm(chapter, 4, per_batch_size=[[1, 2, 4], [3, 64, 0]], block_size=8)
-    seen, steps = _record_drafts(llm, monkeypatch), []
-    recording = mr.propose_eagle  # _record_drafts' spy
+    llm = eagle_llm(chapter, 4, per_batch_size=[[1, 2, 4], [3, 64, 0]], block_size=8, enable_prefix_caching=True)
+    seen, steps, head_calls = _record_drafts(llm, monkeypatch), [], [0]
+    recording, head_forward = mr.propose_eagle, EagleLlamaForCausalLM.forward  # the first: _record_drafts' spy
 
     def count(runner, req_ids, *a):
+        before = head_calls[0]
         out = recording(runner, req_ids, *a)
-        steps.append((len(req_ids), sum(len(d) for d in out.values())))  # (batch size, drafts proposed)
+        steps.append((len(req_ids), sum(len(d) for d in out.values()), head_calls[0] - before))
         return out
 
+    def counted_forward(self, *a, **kw):
+        head_calls[0] += 1
+        return head_forward(self, *a, **kw)
+
     monkeypatch.setattr(mr, "propose_eagle", count)
+    monkeypatch.setattr(EagleLlamaForCausalLM, "forward", counted_forward)
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 20, 60, 70)]
     prompts = code_prompts() + [list(range(40, 60))]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 20, 60, 70)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert steps and all(n == 0 for b, n in steps if b >= 3), \
-        f"drafts proposed after a step of 3 or more requests, where the schedule says 0: {steps}"
-    assert sum(n for b, n in steps if b <= 2) > 0, f"no drafts once 2 requests remained: {steps}"
-    final = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert any(b <= 2 for b, _, _ in steps), f"the batch never shrank to 2: {steps}"
+    assert all(n == 0 and h == 0 for b, n, h in steps if b >= 3), \
+        f"(batch size, drafts, head calls) per step: the schedule says 0 drafts from 3 requests on, where the " \
+        f"head must not run at all: {steps}"
+    assert not seen, (f"requests computed in steps without the head drafted afterwards ({len(seen)} proposals): "
+                      "their head KV has holes there")
+    hit_prompt = outs[0].prompt_token_ids + outs[0].outputs[0].token_ids
+    n_seen = len(seen)
+    hit = llm.generate([{"prompt_token_ids": hit_prompt}], greedy[1], use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 8, f"no prefix hit ({hit.num_cached_tokens} cached tokens)"
+    assert len(seen) == n_seen, "a prefix hit on blocks written without the head drafted from their holes"
+    fresh_prompt = list(range(100, 130))
+    fresh = llm.generate([{"prompt_token_ids": fresh_prompt}], greedy[3], use_tqdm=False)[0]
+    final = {fresh.request_id: fresh_prompt + fresh.outputs[0].token_ids}
     checked, accepted = assert_drafts_match_reference(seen, final)
-    assert checked >= 20 and accepted >= 8, f"too few drafts compared ({checked}, {accepted} matching)"
+    assert checked >= 20 and accepted >= 8, (f"too few drafts of a fresh request compared ({checked}, {accepted} "
+                                             "matching): a block freed by a request with gaps stayed marked?")
+    plain = run_greedy(make_llm(), prompts + [hit_prompt, fresh_prompt], [12, 20, 60, 70, 20, 70])
+    got = [o.outputs[0].token_ids for o in outs + [hit, fresh]]
+    assert got == plain, "speculative tokens differ from the engine without speculation"
     assert_pool_full(llm)
+
+
+def test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner():
+    """speculative/head_kv.py on its own: block size 4, two rows with tables [3, 5] and [7, 2]."""
+    from mini_vllm.speculative.head_kv import HeadKvTracker
+
+    t = HeadKvTracker(num_blocks=8, block_size=4)
+    tables = np.array([[3, 5], [7, 2]])
+    assert t.complete(tables, np.array([6, 6])).all(), "a fresh pool has no stale block"
+    t.skipped(tables, np.array([0, 0]), np.array([4, 5]))            # row 0 computed 4, 5 without the head
+    assert t.stale.tolist() == [False] * 5 + [True] + [False] * 2, f"row 0's block 5 not marked: {t.stale}"
+    assert t.complete(tables, np.array([4, 6])).tolist() == [True, True], "positions 4, 5 are not before 4"
+    assert t.complete(tables, np.array([6, 6])).tolist() == [False, True], \
+        "row 0's positions before 6 sit in stale block 5, so its history is not complete"
+    t.written(np.array([[5]]), np.array([0, 0]), np.array([1, 2]))      # a new owner writes slots 1, 2 of 5
+    assert t.stale[5], "only a write of slot 0 starts a block clean: slots 1 and 2 leave slot 0 stale"
+    t.written(np.array([[5]]), np.array([0, 0]), np.array([0, 1]))      # ... and from slot 0
+    assert not t.stale.any(), "block 5 was rewritten from slot 0 by its new owner, but stays marked"
 
 
 def test_a_prefix_hit_finds_the_heads_kv(monkeypatch, chapter):

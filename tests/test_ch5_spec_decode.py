@@ -69,7 +69,8 @@ def test_greedy_identical_to_no_speculation(method, k, code_prompts):
 def test_dynamic_speculation_drafts_only_at_small_batches(method, code_prompts):
     """num_speculative_tokens_per_batch_size [[1, 2, 3], [3, 64, 0]]: a step
     after one of 3 or more requests verifies no drafts; once 2 requests remain,
-    drafts come back. Greedy tokens stay those of no speculation."""
+    drafts come back (for EAGLE only for requests that start then: the head does not
+    run at k = 0). Greedy tokens stay those of no speculation."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 10, 30, 40)]
     prompts = [{"prompt_token_ids": p} for p in code_prompts]
     base = [o.outputs[0].token_ids for o in make_llm(block_size=8).generate(prompts, params, use_tqdm=False)]
@@ -88,7 +89,10 @@ def test_dynamic_speculation_drafts_only_at_small_batches(method, code_prompts):
     after_big = [d for (b, _), (_, d) in zip(steps, steps[1:]) if b >= 3]
     assert after_big and not any(after_big), \
         f"{method}: drafts verified after a step of 3 or more requests, where the schedule says 0: {steps}"
-    assert any(d for b, d in steps if b <= 2), f"{method}: no drafts once 2 requests remained: {steps}"
+    if method == "eagle":  # no head pass in those steps: these requests draft no more (test_ch5_eagle.py)
+        assert not any(d for _, d in steps), f"eagle: requests computed without the head drafted later: {steps}"
+    else:
+        assert any(d for b, d in steps if b <= 2), f"{method}: no drafts once 2 requests remained: {steps}"
     assert_pool_full(llm)
 
 

@@ -12,8 +12,11 @@ speculative decoding, a list of inclusive batch-size ranges
 [0, num_speculative_tokens]. After a step that scheduled n requests, the
 proposer drafts `num_tokens_for_batch(n)` tokens per request (a size between
 or past the ranges keeps the k of the range before it); k = 0 turns drafting
-off at large batches, where verifying drafts costs more than it saves (EAGLE
-still writes its head's KV then, so drafting resumes with a full history).
+off at large batches, where verifying drafts costs more than it saves. EAGLE's
+head does not run at all then (vLLM's still writes its KV), so a step with k = 0
+costs what a step without speculation costs; the requests it computed lack the
+head's KV there and draft no more, while requests that start later do
+(`speculative/head_kv.py`). The engine logs each switch.
 vLLM caps a k above num_speculative_tokens; here that is an error.
 Every bad value is a ValueError naming the field and its allowed range; a
 missing draft folder is a FileNotFoundError. The draft model's vocabulary is

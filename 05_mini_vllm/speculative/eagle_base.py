@@ -20,6 +20,7 @@ import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.forward_context import set_forward_context
+from mini_vllm.speculative.head_kv import HeadKvTracker
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EagleStep:
     block_table: np.ndarray       # [R, max_blocks] the rows' block tables (-1 or stale past num_blocks)
     num_blocks: list[int]         # per row: blocks allocated to the request
     num_drafts: list[int]         # per row: drafts wanted (0: KV only)
+    # Rows are the requests the head runs over this step: those whose earlier positions
+    # all have the head's KV (speculative/head_kv.py); the flat tensors hold their tokens only.
 
 
 class EagleProposerBase:
@@ -48,6 +51,9 @@ class EagleProposerBase:
         self.num_pool_blocks = num_pool_blocks
         self.num_cache_blocks = kv_cache[0].shape[0]  # pool blocks + scratch blocks
         self.scratch_per_row = -(-k // block_size) + 1
+        # Which pool blocks lack the head's KV (steps that drafted nothing skip the head);
+        # read and written by the runner's side (worker/eagle_inputs.py), never by propose.
+        self.head_kv = HeadKvTracker(num_pool_blocks, block_size)
         for layer in head.attention_layers():
             layer.kv_cache = kv_cache
 

@@ -10,10 +10,15 @@ verifier rejected; the next token is the last one the step produced, or, for a
 prompt still being prefilled, its next prompt token; drafts are wanted only
 from a request that sampled and may use them (`spec_eligible`), at most as
 many as fit under `max_model_len`.
+
+The head runs only over the requests whose earlier positions all have its KV, and
+not at all in a step the batch-size schedule gives k = 0 (`speculative/head_kv.py`:
+the skipped positions' blocks are marked, and their requests draft no more).
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from mini_vllm.speculative.eagle_base import EagleStep
 from mini_vllm.speculative.verifier import spec_eligible
@@ -21,11 +26,27 @@ from mini_vllm.speculative.verifier import spec_eligible
 
 def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
                   sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-    batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))  # k = 0: pass 1 still writes the KV
+    batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))
+    tracker = runner.proposer.head_kv
+    tracker.note_schedule(k, len(req_ids))
     rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    q_lens = np.asarray(md.query_lens_cpu, dtype=np.int64)
+    qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    pos = positions.cpu().numpy()
+    tables = batch.block_table[rows]
+    row_of = np.repeat(np.arange(len(req_ids)), q_lens)  # flat token -> its row
+    # k = 0: the head does not run (head_kv.py); else over the rows with a complete history
+    run = tracker.complete(tables, pos[qsl[:-1]]) if k > 0 else np.zeros(len(req_ids), dtype=bool)
+    if not run.all():
+        off = ~run[row_of]
+        tracker.skipped(tables, row_of[off], pos[off])
+    if not run.any():
+        return {}
     kept, nxt, n_blocks, n_drafts = [], [], [], []
-    for i, rid in enumerate(req_ids):
-        q, toks = md.query_lens_cpu[i], sampled.get(rid) or []
+    for i in np.flatnonzero(run):
+        rid = req_ids[i]
+        q, toks = int(q_lens[i]), sampled.get(rid) or []
         drafts = runner.step_drafts.get(rid, ())
         kept.append(q - (len(drafts) - (len(toks) - 1)) if drafts and toks else q)
         st = runner.requests[rid]
@@ -37,10 +58,19 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
             nxt.append(int(batch.token_ids_cpu[rows[i], md.seq_lens_cpu[i]]))
             n_drafts.append(0)
         n_blocks.append(len(st.block_ids))
-    qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
-    np.cumsum(md.query_lens_cpu, out=qsl[1:])
-    step = EagleStep(hidden=hidden, input_ids=input_ids, positions=positions.cpu().numpy(),
-                     slot_mapping=md.slot_mapping, query_start_loc=qsl, kept=kept, next_token_ids=nxt,
-                     block_table=batch.block_table[rows], num_blocks=n_blocks, num_drafts=n_drafts)
+    slots = md.slot_mapping
+    if not run.all():  # the flat tensors of the running rows only
+        tok = np.flatnonzero(run[row_of])
+        tok_t = torch.from_numpy(tok).to(hidden.device)
+        hidden, input_ids, slots, pos = (hidden.index_select(0, tok_t), input_ids.index_select(0, tok_t),
+                                         slots.index_select(0, tok_t.to(slots.device)), pos[tok])
+        qsl = np.zeros(len(kept) + 1, dtype=np.int64)
+        np.cumsum(q_lens[run], out=qsl[1:])
+    ran, n_kept = np.flatnonzero(run), np.asarray(kept, dtype=np.int64)
+    offsets = np.arange(n_kept.sum()) - np.repeat(np.cumsum(n_kept) - n_kept, n_kept)  # 0.. within a row
+    tracker.written(tables, np.repeat(ran, n_kept), np.repeat(pos[qsl[:-1]], n_kept) + offsets)
+    step = EagleStep(hidden=hidden, input_ids=input_ids, positions=pos, slot_mapping=slots,
+                     query_start_loc=qsl, kept=kept, next_token_ids=nxt,
+                     block_table=tables[run], num_blocks=n_blocks, num_drafts=n_drafts)
     out = runner.proposer.propose(step)
-    return {rid: d for rid, d in zip(req_ids, out) if d}
+    return {req_ids[i]: d for i, d in zip(ran, out) if d}
