@@ -276,11 +276,11 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="eagle_gap_not_marked",
         path="05_mini_vllm/speculative/head_kv.py",
-        old="self.stale[tables[rows, positions // self.bs]] = True",
+        old="self.stale[slots[slots >= 0] // self.bs] = True",
         new="pass",
         tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner",
                "tests/test_ch5_eagle.py::test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting"],
-        why="positions computed without the head leave no mark: their requests draft from holes in its KV",
+        why="a step without the head leaves no mark: its requests draft from holes in the head's KV later",
     ),
     Mutant(
         name="eagle_stale_block_never_cleared",

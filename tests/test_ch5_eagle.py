@@ -231,6 +231,9 @@ def test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner():
     assert t.stale[5], "only a write of slot 0 starts a block clean: slots 1 and 2 leave slot 0 stale"
     t.written(np.array([[5]]), np.array([0, 0]), np.array([0, 1]))      # ... and from slot 0
     assert not t.stale.any(), "block 5 was rewritten from slot 0 by its new owner, but stays marked"
+    t.skipped_slots(np.array([-1, 9, 10]))                            # a whole step without the head
+    assert t.stale.tolist() == [False, False, True] + [False] * 5, \
+        f"slots 9 and 10 are in block 2 (-1 is padding, nothing written): {t.stale}"
 
 
 def test_a_prefix_hit_finds_the_heads_kv(monkeypatch, chapter):

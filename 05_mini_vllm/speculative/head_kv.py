@@ -49,6 +49,10 @@ class HeadKvTracker:
         """The target computed `positions` (of rows `rows`) without the head."""
         self.stale[tables[rows, positions // self.bs]] = True
 
+    def skipped_slots(self, slots: np.ndarray) -> None:
+        """A whole step ran without the head: its slots (-1: padding, nothing written)."""
+        self.stale[slots[slots >= 0] // self.bs] = True
+
     def written(self, tables: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
         """The head wrote its KV at `positions` (of rows `rows`): a block whose slot 0 is
         among them starts clean for its new owner."""

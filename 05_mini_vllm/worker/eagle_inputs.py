@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mini_vllm.kernels.paged_checks import host_values
 from mini_vllm.speculative.eagle_base import EagleStep
 from mini_vllm.speculative.verifier import spec_eligible
 
@@ -29,6 +30,9 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
     batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))
     tracker = runner.proposer.head_kv
     tracker.note_schedule(k, len(req_ids))
+    if k == 0:  # the head does not run (speculative/head_kv.py): mark what the step wrote, nothing more
+        tracker.skipped_slots(host_values(md.slot_mapping))
+        return {}
     rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
     q_lens = np.asarray(md.query_lens_cpu, dtype=np.int64)
     qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
@@ -36,8 +40,7 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
     pos = positions.cpu().numpy()
     tables = batch.block_table[rows]
     row_of = np.repeat(np.arange(len(req_ids)), q_lens)  # flat token -> its row
-    # k = 0: the head does not run (head_kv.py); else over the rows with a complete history
-    run = tracker.complete(tables, pos[qsl[:-1]]) if k > 0 else np.zeros(len(req_ids), dtype=bool)
+    run = tracker.complete(tables, pos[qsl[:-1]])  # the rows with a complete history
     if not run.all():
         off = ~run[row_of]
         tracker.skipped(tables, row_of[off], pos[off])
