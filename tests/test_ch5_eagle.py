@@ -234,6 +234,10 @@ def test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner():
     t.skipped_slots(np.array([-1, 9, 10]))                            # a whole step without the head
     assert t.stale.tolist() == [False, False, True] + [False] * 5, \
         f"slots 9 and 10 are in block 2 (-1 is padding, nothing written): {t.stale}"
+    t.moved(swap_out=[(2, 0), (3, 1)], swap_in=[(0, 6), (1, 2)], copies=[(6, 7)])  # the cache engine's order
+    assert t.stale.tolist() == [False] * 6 + [True, True], (
+        f"block 2's mark must travel to CPU block 0 and back into block 6, then be copied to 7, while clean "
+        f"block 3's contents land in block 2: {t.stale}")
 
 
 def test_a_prefix_hit_finds_the_heads_kv(monkeypatch, chapter):

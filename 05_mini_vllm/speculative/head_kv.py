@@ -17,7 +17,9 @@ So a request drafts only while the head's KV of every earlier position is there:
   earlier positions sit in a stale block (its own gap, or another request's blocks
   found in the prefix cache) is treated as having a gap;
 * a block is clean again once the head writes its slot 0 for a new owner, who then
-  fills it front to back (a hit is a whole block, so no owner starts mid-block).
+  fills it front to back (a hit is a whole block, so no owner starts mid-block);
+* a mark travels with its block's contents: a swap to the CPU and back, or a
+  copy-on-write, moves the target's and the head's KV together, and the mark with them.
 
 Invariant: for a request the head runs over, no block holding one of its positions
 before this step's first is stale.
@@ -36,6 +38,7 @@ class HeadKvTracker:
         self.stale = np.zeros(num_blocks, dtype=bool)  # per pool block: target KV without head KV
         self.bs = block_size
         self.drafting = True  # the last step's schedule drafted (k > 0); a change is logged
+        self.swapped: dict[int, bool] = {}  # CPU swap block -> the mark its contents left with
 
     def complete(self, tables: np.ndarray, first_pos: np.ndarray) -> np.ndarray:
         """Per row: True if no block holding a position before first_pos[i] is stale.
@@ -58,6 +61,16 @@ class HeadKvTracker:
         among them starts clean for its new owner."""
         first = positions % self.bs == 0
         self.stale[tables[rows[first], positions[first] // self.bs]] = False
+
+    def moved(self, swap_out, swap_in, copies) -> None:
+        """The cache engine's moves of this step, in its order: (gpu, cpu) swap-outs,
+        (cpu, gpu) swap-ins, (src, dst) copies on the device."""
+        for gpu, cpu in swap_out:
+            self.swapped[cpu] = bool(self.stale[gpu])
+        for cpu, gpu in swap_in:
+            self.stale[gpu] = self.swapped.pop(cpu, False)
+        for src, dst in copies:
+            self.stale[dst] = self.stale[src]
 
     def note_schedule(self, k: int, batch_size: int) -> None:
         """Logs when the batch-size schedule turns drafting off or on."""

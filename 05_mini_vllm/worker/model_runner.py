@@ -234,6 +234,8 @@ class ModelRunner:
         ce.swap_out(so.blocks_to_swap_out)
         ce.swap_in(so.blocks_to_swap_in)
         ce.copy(so.blocks_to_copy)
+        if isinstance(self.proposer, EagleProposerBase):  # which blocks lack the head's KV moves with them
+            self.proposer.head_kv.moved(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
         if not so.num_scheduled_tokens:
             self._settle()
             return ModelRunnerOutput([], {}, [])
