@@ -285,7 +285,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="eagle_stale_block_never_cleared",
         path="05_mini_vllm/speculative/head_kv.py",
-        old="self.stale[tables[rows[first], positions[first] // self.bs]] = False",
+        old="self.stale[slots[(slots >= 0) & (slots % self.bs == 0)] // self.bs] = False",
         new="pass",
         tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"],
         why="a block once written without the head stays marked: every later owner of it stops drafting",

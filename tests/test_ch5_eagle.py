@@ -222,16 +222,16 @@ def test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner():
     t = HeadKvTracker(num_blocks=8, block_size=4)
     tables = np.array([[3, 5], [7, 2]])
     assert t.complete(tables, np.array([6, 6])).all(), "a fresh pool has no stale block"
-    t.skipped(tables, np.array([0, 0]), np.array([4, 5]))            # row 0 computed 4, 5 without the head
+    t.skipped(np.array([20, 21]))                                     # row 0's positions 4, 5: block 5's slots 0, 1
     assert t.stale.tolist() == [False] * 5 + [True] + [False] * 2, f"row 0's block 5 not marked: {t.stale}"
     assert t.complete(tables, np.array([4, 6])).tolist() == [True, True], "positions 4, 5 are not before 4"
     assert t.complete(tables, np.array([6, 6])).tolist() == [False, True], \
         "row 0's positions before 6 sit in stale block 5, so its history is not complete"
-    t.written(np.array([[5]]), np.array([0, 0]), np.array([1, 2]))      # a new owner writes slots 1, 2 of 5
+    t.written(np.array([21, 22]))                                     # a new owner writes slots 1, 2 of block 5
     assert t.stale[5], "only a write of slot 0 starts a block clean: slots 1 and 2 leave slot 0 stale"
-    t.written(np.array([[5]]), np.array([0, 0]), np.array([0, 1]))      # ... and from slot 0
+    t.written(np.array([-1, 20, 21]))                                 # ... and from slot 0 (-1: padding)
     assert not t.stale.any(), "block 5 was rewritten from slot 0 by its new owner, but stays marked"
-    t.skipped_slots(np.array([-1, 9, 10]))                            # a whole step without the head
+    t.skipped(np.array([-1, 9, 10]))                                  # a whole step without the head
     assert t.stale.tolist() == [False, False, True] + [False] * 5, \
         f"slots 9 and 10 are in block 2 (-1 is padding, nothing written): {t.stale}"
     t.moved(swap_out=[(2, 0), (3, 1)], swap_in=[(0, 6), (1, 2)], copies=[(6, 7)])  # the cache engine's order

@@ -48,19 +48,14 @@ class HeadKvTracker:
         ids = np.where(used, tables, 0).astype(np.int64)
         return ~(self.stale[ids] & used).any(axis=1)
 
-    def skipped(self, tables: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
-        """The target computed `positions` (of rows `rows`) without the head."""
-        self.stale[tables[rows, positions // self.bs]] = True
-
-    def skipped_slots(self, slots: np.ndarray) -> None:
-        """A whole step ran without the head: its slots (-1: padding, nothing written)."""
+    def skipped(self, slots: np.ndarray) -> None:
+        """The target wrote `slots` (host values; -1: padding, nothing written) without the head."""
         self.stale[slots[slots >= 0] // self.bs] = True
 
-    def written(self, tables: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
-        """The head wrote its KV at `positions` (of rows `rows`): a block whose slot 0 is
-        among them starts clean for its new owner."""
-        first = positions % self.bs == 0
-        self.stale[tables[rows[first], positions[first] // self.bs]] = False
+    def written(self, slots: np.ndarray) -> None:
+        """The head wrote its KV at `slots`: a block whose slot 0 is among them starts clean
+        for its new owner."""
+        self.stale[slots[(slots >= 0) & (slots % self.bs == 0)] // self.bs] = False
 
     def moved(self, swap_out, swap_in, copies) -> None:
         """The cache engine's moves of this step, in its order: (gpu, cpu) swap-outs,

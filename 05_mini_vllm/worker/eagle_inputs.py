@@ -30,8 +30,9 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
     batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))
     tracker = runner.proposer.head_kv
     tracker.note_schedule(k, len(req_ids))
-    if k == 0:  # the head does not run (speculative/head_kv.py): mark what the step wrote, nothing more
-        tracker.skipped_slots(host_values(md.slot_mapping))
+    slots_h = host_values(md.slot_mapping)  # the marks of speculative/head_kv.py are kept per slot
+    if k == 0:  # the head does not run: mark what the step wrote, nothing more
+        tracker.skipped(slots_h)
         return {}
     rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
     q_lens = np.asarray(md.query_lens_cpu, dtype=np.int64)
@@ -42,8 +43,7 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
     row_of = np.repeat(np.arange(len(req_ids)), q_lens)  # flat token -> its row
     run = tracker.complete(tables, pos[qsl[:-1]])  # the rows with a complete history
     if not run.all():
-        off = ~run[row_of]
-        tracker.skipped(tables, row_of[off], pos[off])
+        tracker.skipped(slots_h[~run[row_of]])
     if not run.any():
         return {}
     kept, nxt, n_blocks, n_drafts = [], [], [], []
@@ -61,6 +61,9 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
             nxt.append(int(batch.token_ids_cpu[rows[i], md.seq_lens_cpu[i]]))
             n_drafts.append(0)
         n_blocks.append(len(st.block_ids))
+    ran, n_kept = np.flatnonzero(run), np.asarray(kept, dtype=np.int64)
+    offsets = np.arange(n_kept.sum()) - np.repeat(np.cumsum(n_kept) - n_kept, n_kept)  # 0.. within a row
+    tracker.written(slots_h[np.repeat(qsl[ran], n_kept) + offsets])  # pass 1 writes the kept positions
     slots = md.slot_mapping
     if not run.all():  # the flat tensors of the running rows only
         tok = np.flatnonzero(run[row_of])
@@ -69,9 +72,6 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
                                          slots.index_select(0, tok_t.to(slots.device)), pos[tok])
         qsl = np.zeros(len(kept) + 1, dtype=np.int64)
         np.cumsum(q_lens[run], out=qsl[1:])
-    ran, n_kept = np.flatnonzero(run), np.asarray(kept, dtype=np.int64)
-    offsets = np.arange(n_kept.sum()) - np.repeat(np.cumsum(n_kept) - n_kept, n_kept)  # 0.. within a row
-    tracker.written(tables, np.repeat(ran, n_kept), np.repeat(pos[qsl[:-1]], n_kept) + offsets)
     step = EagleStep(hidden=hidden, input_ids=input_ids, positions=pos, slot_mapping=slots,
                      query_start_loc=qsl, kept=kept, next_token_ids=nxt,
                      block_table=tables[run], num_blocks=n_blocks, num_drafts=n_drafts)
