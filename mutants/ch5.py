@@ -16,6 +16,8 @@ GRAPHS = "05_mini_vllm/worker/cudagraph_dispatcher.py"
 GRAPH_TESTS = ["tests/test_ch5_cudagraph_padding.py"]
 EAGLE = "05_mini_vllm/speculative/eagle.py"
 EAGLE_TESTS = ["tests/test_ch5_eagle.py::test_engine_drafts_are_the_reference_chain"]
+HEAD_KV = "05_mini_vllm/speculative/head_kv.py"
+HEAD_KV_TESTS = ["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -275,19 +277,19 @@ MUTANTS: list[Mutant] = [
     # ---- which blocks hold the head's KV (speculative/head_kv.py) ----
     Mutant(
         name="eagle_gap_not_marked",
-        path="05_mini_vllm/speculative/head_kv.py",
+        path=HEAD_KV,
         old="self.stale[slots[slots >= 0] // self.bs] = True",
         new="pass",
-        tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner",
-               "tests/test_ch5_eagle.py::test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting"],
+        tests=HEAD_KV_TESTS
+        + ["tests/test_ch5_eagle.py::test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting"],
         why="a step without the head leaves no mark: its requests draft from holes in the head's KV later",
     ),
     Mutant(
         name="eagle_stale_block_never_cleared",
-        path="05_mini_vllm/speculative/head_kv.py",
+        path=HEAD_KV,
         old="self.stale[slots[(slots >= 0) & (slots % self.bs == 0)] // self.bs] = False",
         new="pass",
-        tests=["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"],
+        tests=HEAD_KV_TESTS,
         why="a block once written without the head stays marked: every later owner of it stops drafting",
     ),
     Mutant(
