@@ -11,6 +11,13 @@ qkv 512 wide, vocabulary 6,144), fp32, for a 2,048-token prefill step and a
 timed (best of REPEATS, the two versions alternating so background load hits
 both), after one untimed pass over everything. Printed: milliseconds and torch / fused (or F.linear / oneDNN).
 
+Then the fused ops' two implementations, numba's loops against the C++ ops
+(kernels/cpu_layer_ops_native.py, where this CPU runs them), on a Qwen3-0.6B-shaped
+bf16 model's widths (hidden 1,024, intermediate 3,072, 16 + 8 heads of 128): a
+16-sequence decode step and a 1,259-token prefill (the qwen3-0.6b workload's).
+Microseconds, the whole call (checks, allocation, dispatch) included, since on a
+decode step that is most of it.
+
 Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2]
 """
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.kernels import cpu_layer_ops as L
+from mini_vllm.kernels import cpu_layer_ops as L, cpu_layer_ops_native as native, cpu_native
 from mini_vllm.models import cpu_ops
 from mini_vllm.models.layers import RMSNorm
 from mini_vllm.models.linear import ColumnParallelLinear
@@ -80,6 +87,28 @@ def rows(tokens: int) -> list[tuple[str, float, float]]:
     return out
 
 
+def native_rows(tokens: int) -> list[tuple[str, float, float]]:
+    """(op, numba ms, C++ ms) on Qwen3-0.6B's bf16 widths."""
+    g, dt = torch.Generator().manual_seed(tokens), torch.bfloat16
+    x, r = (torch.randn(tokens, 1024, generator=g).to(dt) for _ in range(2))
+    weight, q_w, k_w = (torch.randn(n, generator=g).to(dt) for n in (1024, 128, 128))
+    gate_up, qkv = torch.randn(tokens, 6144, generator=g).to(dt), torch.randn(tokens, 4096, generator=g).to(dt)
+    rope = RotaryEmbedding(128, 4096, 1000000.0)
+    pos = torch.randint(0, 4096, (tokens,), generator=g)
+    ops = {"add + RMSNorm": lambda: L.fused_add_rms_norm(x, r, weight, 1e-6),
+           "SiLU-and-mul": lambda: L.silu_and_mul(gate_up),
+           "q/k norm + rotary": lambda: L.qk_norm_rope(pos, qkv, 16, 8, 128, q_w, k_w, 1e-6, rope.cos_cache,
+                                                       rope.sin_cache)}
+
+    def numba_only(fn):
+        def run():
+            with cpu_native.numba_only():
+                return fn()
+        return run
+
+    return [(name,) + best_pair(numba_only(fn), fn) for name, fn in ops.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
@@ -95,6 +124,13 @@ def main() -> None:
             print(f"\n{threads} thread(s), {tokens} tokens: torch ms -> fused/oneDNN ms (torch / fused)")
             for name, a, b in rows(tokens):
                 print(f"  {name:<28} {a:7.3f} -> {b:7.3f}  ({a / b:.2f}x)")
+        if not native.handles(torch.bfloat16):
+            print(f"\nthe C++ layer ops do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
+            continue
+        for tokens in (16, 1259):
+            print(f"\n{threads} thread(s), Qwen3-0.6B bf16, {tokens} tokens: numba us -> C++ us (numba / C++)")
+            for name, a, b in native_rows(tokens):
+                print(f"  {name:<28} {a * 1e3:7.1f} -> {b * 1e3:7.1f}  ({a / b:.2f}x)")
 
 
 if __name__ == "__main__":

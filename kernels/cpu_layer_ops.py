@@ -33,8 +33,17 @@ functions check shapes and contiguity, and raise ValueError naming the argument)
   multiply-add), so it agrees exactly;
 * `rotary_embedding` raises IndexError for a position outside the cos/sin table.
 
+Two implementations of each loop: the numba loops below (the reference on every
+CPU) and C++ ops (`cpu_layer_ops_native.py`, `csrc/cpu_layer_ops.cpp`), which run
+where the C++ attention kernel runs. The public functions check and allocate once,
+then call one or the other. The C++ call exists for the decode step: 112 calls a step
+on a Qwen3-0.6B-shaped model, each a few microseconds of arithmetic, where numba's
+dispatch and thread wake-up cost more than the loop (bench_engine_layer_ops.py times
+the two: 1.5-1.8x faster for a decode step's norms and q/k rotation, equal for SiLU).
+
 Threads: as many as torch uses, the rows split evenly between them (a prange;
-`use_torch_threads` sets the count before each call). The team is torch's own
+`use_torch_threads` sets the count before each call; the C++ ops split only calls
+of `cpu_layer_ops_native.SPLIT_ELEMENTS` values or more). The team is torch's own
 (see "Threads" in cpu_runtime.py), already awake from the op before,
 and the split costs little: on one thread a call takes about 2 us more than
 a plain loop's; on two threads a 128-token SiLU-and-mul takes 19 instead of
@@ -50,6 +59,7 @@ import torch
 from numba import njit, prange
 
 from . import cpu_layer_ops_bf16 as bf16
+from . import cpu_layer_ops_native as native
 from .cpu_layer_ops_bf16 import _check_positions
 from .cpu_paged_attention import _FASTMATH, _exp
 from .cpu_runtime import use_torch_threads
@@ -148,63 +158,74 @@ def _qk_norm_rope_rows(positions, qkv, q_heads, k_heads, head_size, q_weight, k_
         _norm_rotate_heads(qkv[t, q_end:q_end + k_heads * head_size], k_weight, eps, cos, sin, normed, k_out[t])
 
 
-_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # bf16 travels as its raw bits
-
-
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    # Called for every tensor of every op (a few per layer and step): the shortest chain of
-    # views, 1.3 us for a bf16 row block against 3.1 us for detach / int16 / numpy / uint16.
+    """The numba ops' view of a checked tensor: float32, or bf16 as its raw bits (uint16)."""
+    # The shortest chain of views: 1.3 us for a bf16 row block against 3.1 us for
+    # detach / int16 / numpy / uint16.
     if t.requires_grad:
         t = t.detach()
     return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
 
 
-def _rows(name: str, t: torch.Tensor, width: int | None = None, dtype: torch.dtype | None = None) -> np.ndarray:
-    """A [rows, width] view of `t` with contiguous rows, as numpy (float32, or
-    uint16 bits for bf16); `dtype`: the dtype it must have."""
-    if t.dtype not in _NUMPY or (dtype is not None and t.dtype != dtype) or not t.is_cpu:
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rows(name: str, t: torch.Tensor, width: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A [rows, width] view of `t` with contiguous rows (any row stride); `dtype`: the
+    dtype it must have. Checked with tensor attributes only: they are read on every call."""
+    if t.dtype not in _DTYPES or (dtype is not None and t.dtype != dtype) or not t.is_cpu:
         raise ValueError(f"{name} must be a {'float32 or bfloat16' if dtype is None else dtype} CPU tensor, "
                          f"got {t.dtype} on {t.device}")
-    a = _as_numpy(t)
-    if a.ndim != 2:  # reshaped by numpy, which (as torch.reshape) copies only what cannot be a view
-        a = a.reshape(-1, a.shape[-1])
-    if a.strides[-1] != a.itemsize or (width is not None and a.shape[1] != width):
+    a = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])  # a copy only where a view cannot be
+    if (a.stride(1) != 1 and a.shape[1] > 1) or (width is not None and a.shape[1] != width):
         raise ValueError(f"{name} must be [tokens, {width or 'width'}] with contiguous rows, "
                          f"got shape {tuple(t.shape)} and strides {t.stride()}")
     return a
 
 
-def _vector(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> np.ndarray:
-    """A [width] contiguous vector (a norm's weight) of x's dtype, as numpy."""
+def _vector(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [width] contiguous vector (a norm's weight) of x's dtype."""
     if t.dtype != dtype or not t.is_cpu or t.shape != (width,) or t.stride(0) != 1:
         raise ValueError(f"{name} must be a contiguous {dtype} CPU vector of {width}, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return _as_numpy(t)
+    return t
 
 
-def _new(shape: tuple, like: torch.Tensor) -> np.ndarray:
-    return np.empty(shape, _NUMPY[like.dtype])
+def _like(a: torch.Tensor) -> torch.Tensor:
+    """A new [rows, width] tensor with a's shape and dtype, rows contiguous (uninitialised:
+    every op writes its outputs whole). The cheapest allocation torch offers: 1 us, against
+    2.5 us for torch.empty(shape, dtype=...), and outputs stay 2-D unless x was not."""
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
-def _torch(a: np.ndarray) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out [rows, width] viewed with x's leading dims (a view costs 1-2.5 us: only when needed)."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
-# Outputs are allocated by numpy in their final shape and handed to torch without a
-# copy (torch.from_numpy); the loops get numpy views. Checks use cheap attributes
-# (is_cpu, numpy strides). q's norm for a 128-token step (512 rows of 64): 16.7 -> 11.1 us
-# a call, of which about 4 us is the loop; about 36 such calls per step.
+def _positions(positions: torch.Tensor, tokens: int) -> torch.Tensor:
+    if positions.shape != (tokens,):
+        raise ValueError(f"positions must be [{tokens}], one per token, got {tuple(positions.shape)}")
+    return positions.to(torch.int64).contiguous()  # no copy for the engine's int64 positions
+
+
+# Each function checks its arguments, allocates its outputs (torch.empty: every element is
+# written), then runs the C++ op (cpu_layer_ops_native.py, where it can run) or the numba loop
+# on numpy views. Both write the same rounding points; the C++ call costs a few microseconds
+# where numba's dispatch and thread wake-up cost tens (see that module).
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim; x [..., H], weight [H]."""
     hidden = weight.shape[0]
-    xs = _rows("x", x, hidden)
-    out = _new(x.shape, x)
-    use_torch_threads()
-    loop = _rms_norm_rows if x.dtype == torch.float32 else bf16.rms_norm_rows_bf16
-    loop(xs, _vector("weight", weight, hidden, x.dtype), np.float32(eps), out.reshape(xs.shape))
-    return _torch(out)
+    xs, w = _rows("x", x, hidden), _vector("weight", weight, hidden, x.dtype)
+    out = _like(xs)
+    if native.handles(x.dtype):
+        native.rms_norm(xs, w, eps, out)
+    else:
+        use_torch_threads()
+        loop = _rms_norm_rows if x.dtype == torch.float32 else bf16.rms_norm_rows_bf16
+        loop(_as_numpy(xs), _as_numpy(w), np.float32(eps), _as_numpy(out))
+    return _shaped(out, x)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -214,12 +235,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     xs, rs = _rows("x", x, hidden), _rows("residual", residual, hidden, x.dtype)
     if xs.shape != rs.shape:
         raise ValueError(f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
-    out, res_out = _new(x.shape, x), _new(x.shape, x)
-    use_torch_threads()
-    loop = _add_rms_norm_rows if x.dtype == torch.float32 else bf16.add_rms_norm_rows_bf16
-    loop(xs, rs, _vector("weight", weight, hidden, x.dtype), np.float32(eps), out.reshape(xs.shape),
-         res_out.reshape(xs.shape))
-    return _torch(out), _torch(res_out)
+    w = _vector("weight", weight, hidden, x.dtype)
+    out, res_out = _like(xs), _like(xs)
+    if native.handles(x.dtype):
+        native.fused_add_rms_norm(xs, rs, w, eps, out, res_out)
+    else:
+        use_torch_threads()
+        loop = _add_rms_norm_rows if x.dtype == torch.float32 else bf16.add_rms_norm_rows_bf16
+        loop(_as_numpy(xs), _as_numpy(rs), _as_numpy(w), np.float32(eps), _as_numpy(out), _as_numpy(res_out))
+    return _shaped(out, x), _shaped(res_out, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -227,11 +251,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even ([gate | up]), got {tuple(x.shape)}")
     xs = _rows("x", x)
-    out = _new(x.shape[:-1] + (x.shape[-1] // 2,), x)
-    use_torch_threads()
-    loop = _silu_and_mul_rows if x.dtype == torch.float32 else bf16.silu_and_mul_rows_bf16
-    loop(xs, out.reshape(xs.shape[0], xs.shape[1] // 2))
-    return _torch(out)
+    out = torch.empty(xs.shape[0], xs.shape[1] // 2, dtype=x.dtype)
+    if native.handles(x.dtype):
+        native.silu_and_mul(xs, out)
+    else:
+        use_torch_threads()
+        loop = _silu_and_mul_rows if x.dtype == torch.float32 else bf16.silu_and_mul_rows_bf16
+        loop(_as_numpy(xs), _as_numpy(out))
+    return _shaped(out, x)
+
+
+def _rotary_tables(cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_size: int):
+    return (_rows("cos_cache", cos_cache, head_size // 2, torch.float32),
+            _rows("sin_cache", sin_cache, head_size // 2, torch.float32))
 
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
@@ -241,15 +273,17 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.
     if x.dim() != 2 or x.shape[1] % head_size or head_size % 2:
         raise ValueError(f"x must be [tokens, heads * head_size] with an even head_size {head_size}, "
                          f"got {tuple(x.shape)}")
-    if positions.shape != (x.shape[0],):
-        raise ValueError(f"positions must be [{x.shape[0]}], one per token, got {tuple(positions.shape)}")
+    pos = _positions(positions, x.shape[0])
     xs = _rows("x", x)
-    out = _new(xs.shape, x)
+    cos, sin = _rotary_tables(cos_cache, sin_cache, head_size)
+    out = _like(xs)
+    if native.handles(x.dtype) and head_size <= native.MAX_HEAD_SIZE:
+        native.rotary_embedding(pos, xs, cos, sin, head_size, out)
+        return out
     use_torch_threads()
     loop = _rope_rows if x.dtype == torch.float32 else bf16.rope_rows_bf16
-    loop(positions.contiguous().numpy(), xs, _rows("cos_cache", cos_cache, head_size // 2, torch.float32),
-         _rows("sin_cache", sin_cache, head_size // 2, torch.float32), head_size, out)
-    return _torch(out)
+    loop(pos.numpy(), _as_numpy(xs), cos.numpy(), sin.numpy(), head_size, _as_numpy(out))
+    return out
 
 
 def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
@@ -263,13 +297,17 @@ def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num
     if head_size % 2:
         raise ValueError(f"head_size must be even, got {head_size}")
     xs = _rows("qkv", qkv, width)
-    if positions.shape != (xs.shape[0],):
-        raise ValueError(f"positions must be [{xs.shape[0]}], one per token, got {tuple(positions.shape)}")
-    q_out, k_out = _new((xs.shape[0], num_heads * head_size), qkv), _new((xs.shape[0], num_kv_heads * head_size), qkv)
+    pos = _positions(positions, xs.shape[0])
+    q_w = _vector("q_weight", q_weight, head_size, qkv.dtype)
+    k_w = _vector("k_weight", k_weight, head_size, qkv.dtype)
+    cos, sin = _rotary_tables(cos_cache, sin_cache, head_size)
+    q_out = torch.empty(xs.shape[0], num_heads * head_size, dtype=qkv.dtype)
+    k_out = torch.empty(xs.shape[0], num_kv_heads * head_size, dtype=qkv.dtype)
+    if native.handles(qkv.dtype) and head_size <= native.MAX_HEAD_SIZE:
+        native.qk_norm_rope(pos, xs, num_heads, num_kv_heads, head_size, q_w, k_w, eps, cos, sin, q_out, k_out)
+        return q_out, k_out
     use_torch_threads()
     loop = _qk_norm_rope_rows if qkv.dtype == torch.float32 else bf16.qk_norm_rope_rows_bf16
-    loop(positions.contiguous().numpy(), xs, num_heads, num_kv_heads, head_size,
-         _vector("q_weight", q_weight, head_size, qkv.dtype), _vector("k_weight", k_weight, head_size, qkv.dtype),
-         np.float32(eps), _rows("cos_cache", cos_cache, head_size // 2, torch.float32),
-         _rows("sin_cache", sin_cache, head_size // 2, torch.float32), q_out, k_out)
-    return _torch(q_out), _torch(k_out)
+    loop(pos.numpy(), _as_numpy(xs), num_heads, num_kv_heads, head_size, _as_numpy(q_w), _as_numpy(k_w),
+         np.float32(eps), cos.numpy(), sin.numpy(), _as_numpy(q_out), _as_numpy(k_out))
+    return q_out, k_out

@@ -58,6 +58,13 @@ logger = logging.getLogger("mini_vllm")
 SOURCE = Path(__file__).resolve().with_name("csrc") / "cpu_attn.cpp"
 ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", *ISA_FLAGS)
+# The fused layer ops (`csrc/cpu_layer_ops.cpp`, called by cpu_layer_ops_native.py), a library
+# of their own because they need other flags: no product and sum contracted into an FMA (they
+# round where torch rounds; g++ contracts by default, which the attention kernel's scalar code
+# keeps), -fno-trapping-math so that GCC vectorises their exp's float -> int conversion, and
+# OpenMP's simd pragmas (no OpenMP runtime) for the vectorised sums.
+LAYER_OPS_SOURCE = SOURCE.with_name("cpu_layer_ops.cpp")
+LAYER_OPS_FLAGS = (*FLAGS, "-ffp-contract=off", "-fno-trapping-math", "-fopenmp-simd")
 # LLVM's names for the features the flags above let the compiler use.
 REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma")
 # The cache dtypes it reads (`enum Dtype` in the C++ file), and the head_dim each needs a
@@ -148,15 +155,15 @@ def _build_dir() -> Path:
     raise OSError("no writable folder for the compiled kernel")
 
 
-def _build() -> Path:
+def _build(source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
     """The compiled library, built if this source and these flags have not been: written
     under a temporary name and renamed, so concurrent builders never load half a file."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((_compiler(), *FLAGS)).encode()).hexdigest()[:16]
-    target = _build_dir() / f"cpu_attn-{digest}.so"
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + " ".join((_compiler(), *flags)).encode()).hexdigest()[:16]
+    target = _build_dir() / f"{source_path.stem}-{digest}.so"
     if not target.is_file():
         tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp.so")
-        cmd = [_compiler(), *FLAGS, str(SOURCE), "-o", str(tmp)]
+        cmd = [_compiler(), *flags, str(source_path), "-o", str(tmp)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -166,35 +173,54 @@ def _build() -> Path:
 
 
 _lock = threading.Lock()
-_state: dict = {}  # "lib": the loaded ctypes library, or None once loading failed
+# "attn" / "layer_ops": the loaded ctypes library, or None once loading failed
+_state: dict[str, ctypes.CDLL | None] = {}
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot run
     (`unavailable_reason`) or its build failed (logged once, as a warning)."""
-    if "lib" in _state:
-        return _state["lib"]
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-    return _state["lib"]
+    if "attn" not in _state:
+        with _lock:
+            if "attn" not in _state:
+                _state["attn"] = _load(SOURCE, FLAGS, "mini_vllm_attn_num_params", len(PARAMS),
+                                       "the C++ attention kernel is unavailable, using the numba kernel")
+                if _state["attn"] is not None:
+                    _state["attn"].mini_vllm_attn_worker.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+                    _state["attn"].mini_vllm_attn_worker.restype = None
+    return _state["attn"]
 
 
-def _load() -> ctypes.CDLL | None:
+def layer_ops_library(num_params: int) -> ctypes.CDLL | None:
+    """The fused layer ops' library (`csrc/cpu_layer_ops.cpp`), as `library()`; the caller
+    fills `num_params` slots per call (checked against the library at load)."""
+    if "layer_ops" not in _state:
+        with _lock:
+            if "layer_ops" not in _state:
+                lib = _load(LAYER_OPS_SOURCE, LAYER_OPS_FLAGS, "mini_vllm_layer_op_num_params", num_params,
+                            "the C++ layer ops are unavailable, using numba's")
+                if lib is not None:
+                    lib.mini_vllm_layer_op.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+                    lib.mini_vllm_layer_op.restype = ctypes.c_int64
+                _state["layer_ops"] = lib
+    return _state["layer_ops"]
+
+
+def _load(source: Path, flags: tuple[str, ...], params_symbol: str, num_params: int,
+          failure: str) -> ctypes.CDLL | None:
     if unavailable_reason() is not None:
         return None
     try:
-        path = _build()
+        path = _build(source, flags)
         lib = ctypes.CDLL(str(path))
-        if lib.mini_vllm_attn_num_params() != len(PARAMS):
-            raise RuntimeError(f"{path} takes {lib.mini_vllm_attn_num_params()} parameters, this module "
-                               f"fills {len(PARAMS)}: the two files disagree")
+        takes = getattr(lib, params_symbol)()
+        if takes != num_params:
+            raise RuntimeError(f"{path} takes {takes} parameters, the Python side fills {num_params}: "
+                               "the two files disagree")
         llvm_binding.load_library_permanently(str(path))  # so numba's _fan_out finds the worker by name
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("the C++ attention kernel is unavailable, using the numba kernel: %s", e)
+        logger.warning("%s: %s", failure, e)
         return None
-    lib.mini_vllm_attn_worker.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-    lib.mini_vllm_attn_worker.restype = None
     return lib
 
 

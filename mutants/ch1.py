@@ -27,6 +27,7 @@ NATIVE = "kernels/csrc/cpu_attn.cpp"
 NATIVE_TESTS = ["tests/test_kernels_cpu_native.py"]
 LAYER_OPS = "kernels/cpu_layer_ops.py"
 LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
+LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (AVX512_BF16)
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -425,6 +426,46 @@ MUTANTS: list[Mutant] = [
         new="_norm_rotate_heads(qkv[t, q_end:q_end + k_heads * head_size], q_weight,",
         tests=LAYER_TESTS,
         why="Qwen3's fused q/k norm + rotation normalises k's heads with q_norm's weight",
+    ),
+    Mutant(
+        name="cpp_add_norm_of_x",
+        path=LAYER_OPS_CPP,
+        old="norm_row(sr, c.ptr<const T>(kWeight)",
+        new="norm_row(xr, c.ptr<const T>(kWeight)",
+        tests=LAYER_TESTS,
+        why="C++ fused add + RMSNorm normalises x instead of x + residual",
+    ),
+    Mutant(
+        name="cpp_worker_skips_its_first_row",
+        path=LAYER_OPS_CPP,
+        old="run_range(params, rows * w / n, rows * (w + 1) / n);",
+        new="run_range(params, rows * w / n + 1, rows * (w + 1) / n);",
+        tests=LAYER_TESTS,
+        why="C++ ops split between threads: each worker's first row is never written",
+    ),
+    Mutant(
+        name="cpp_bf16_silu_not_rounded",
+        path=LAYER_OPS_CPP,
+        old="__m512 silu = narrow16(_mm512_div_ps(",
+        new="__m512 silu = (_mm512_div_ps(",
+        tests=LAYER_TESTS,
+        why="C++ bf16 SiLU-and-mul keeps silu(gate) in fp32 where torch rounds it to bf16 before the product",
+    ),
+    Mutant(
+        name="cpp_bf16_rope_table_not_rounded",
+        path=LAYER_OPS_CPP,
+        old="cos[j] = Elem<T>::Narrow(cr[j]);",
+        new="cos[j] = cr[j];",
+        tests=LAYER_TESTS,
+        why="C++ bf16 rotary uses the fp32 cos table where torch rounds it to bf16 first",
+    ),
+    Mutant(
+        name="cpp_qk_norm_rope_k_takes_q_weight",
+        path=LAYER_OPS_CPP,
+        old="const T* weight[2] = {c.ptr<const T>(kWeight), c.ptr<const T>(kKWeight)};",
+        new="const T* weight[2] = {c.ptr<const T>(kWeight), c.ptr<const T>(kWeight)};",
+        tests=LAYER_TESTS,
+        why="C++ Qwen3 q/k norm + rotation normalises k's heads with q_norm's weight",
     ),
     Mutant(
         name="cpu_packed_weight_stale",

@@ -1,6 +1,9 @@
 """The fused CPU layer ops (kernels/cpu_layer_ops.py) and the CPU dispatch of
 the model's layers (models/cpu_ops.py: oneDNN linears, fused ops), each
-against the torch code it replaces, which stays the reference."""
+against the torch code it replaces, which stays the reference.
+
+Each op test runs on both implementations (the `impl` fixture): the C++ ops
+(kernels/cpu_layer_ops_native.py), where this CPU runs them, and the numba loops."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.kernels import cpu_layer_ops as L
+from mini_vllm.kernels import cpu_layer_ops as L, cpu_layer_ops_native as native, cpu_native
 from mini_vllm.models import cpu_ops
 from mini_vllm.models.layers import ParallelLMHead, RMSNorm, SiluAndMul
 from mini_vllm.models.linear import ColumnParallelLinear, RowParallelLinear
@@ -19,6 +22,20 @@ from mini_vllm.models.rotary import RotaryEmbedding
 from kernel_cases import torch_threads
 
 SHAPES = [(1, 8), (7, 64), (300, 256), (33, 96)]
+
+
+@pytest.fixture(params=["cpp", "numba"])
+def impl(request):
+    """The op tests run twice: the C++ ops where they run here, and the numba loops (the
+    reference on every CPU, forced with cpu_native.numba_only)."""
+    if request.param == "cpp":
+        if not native.handles(torch.float32):
+            pytest.skip(f"the C++ layer ops do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
+        yield "cpp"
+    else:
+        with cpu_native.numba_only():
+            assert not native.handles(torch.float32)
+            yield "numba"
 
 
 def _norm_module(hidden: int, seed: int) -> RMSNorm:
@@ -29,6 +46,7 @@ def _norm_module(hidden: int, seed: int) -> RMSNorm:
 
 
 @pytest.mark.parametrize("tokens,hidden", SHAPES)
+@pytest.mark.usefixtures("impl")
 def test_rms_norm_matches_torch(tokens, hidden):
     g = torch.Generator().manual_seed(tokens * hidden)
     x, residual = torch.randn(tokens, hidden, generator=g) * 3, torch.randn(tokens, hidden, generator=g)
@@ -47,6 +65,7 @@ def test_rms_norm_matches_torch(tokens, hidden):
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 4), (5, 768), (129, 100)])
+@pytest.mark.usefixtures("impl")
 def test_silu_and_mul_matches_torch(tokens, inter):
     x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 6
     x[0, 0], x[-1, 1] = 100.0, -100.0  # far tails: exp clamped, silu(100) = 100, silu(-100) ~ 0
@@ -56,6 +75,7 @@ def test_silu_and_mul_matches_torch(tokens, inter):
 
 
 @pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (9, 4, 64), (40, 2, 128)])
+@pytest.mark.usefixtures("impl")
 def test_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
     rope = RotaryEmbedding(head_size, 512, 10000.0)
     g = torch.Generator().manual_seed(tokens)
@@ -87,6 +107,7 @@ BF16_MAX_FRACTION = 1e-3
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 8), (7, 128), (37, 1024)])
+@pytest.mark.usefixtures("impl")
 def test_bf16_norms_match_torch_within_one_rounding(tokens, hidden):
     g = torch.Generator().manual_seed(tokens + hidden)
     x = (torch.randn(tokens, hidden, generator=g) * 3).bfloat16()
@@ -106,6 +127,7 @@ def test_bf16_norms_match_torch_within_one_rounding(tokens, hidden):
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 4), (33, 3072)])
+@pytest.mark.usefixtures("impl")
 def test_bf16_silu_and_mul_matches_torch_within_one_rounding(tokens, inter):
     x = (torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 6).bfloat16()
     x[0, 0], x[-1, 1] = 100.0, -100.0
@@ -118,6 +140,7 @@ def test_bf16_silu_and_mul_matches_torch_within_one_rounding(tokens, inter):
 
 
 @pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (40, 16, 128)])
+@pytest.mark.usefixtures("impl")
 def test_bf16_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
     rope = RotaryEmbedding(head_size, 2048, 1000000.0)
     g = torch.Generator().manual_seed(tokens + 7)
@@ -140,6 +163,7 @@ def _qwen3_qkv(tokens: int, heads: int, kv_heads: int, head_size: int, dtype: to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_size", [(1, 1, 1, 8), (9, 4, 2, 64), (37, 16, 8, 128)])
+@pytest.mark.usefixtures("impl")
 def test_qk_norm_rope_equals_the_ops_apart_and_torch(dtype, tokens, heads, kv_heads, head_size):
     """Qwen3's fused q/k norm + rotation against (1) rms_norm per head then rotary_embedding,
     bit for bit (same rounding points), and (2) the torch code of the model's layers."""
@@ -192,11 +216,14 @@ def test_bf16_rounding_is_to_nearest_even_and_keeps_nan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_threads_give_one_threads_bits(dtype):
+@pytest.mark.usefixtures("impl")
+def test_two_threads_give_one_threads_bits(dtype, monkeypatch):
     """Each op splits its rows between torch's threads; a row's arithmetic is
     the same whichever thread does it, so 2 threads give 1 thread's bits. A
     split that skipped or repeated a slice of rows, or a worker reading the
-    wrong row, would differ (300 rows: both threads get some)."""
+    wrong row, would differ (300 rows: both threads get some). The C++ ops split
+    only large calls: here every call is split."""
+    monkeypatch.setattr(native, "SPLIT_ELEMENTS", 1)
     g = torch.Generator().manual_seed(11)
     x, residual = torch.randn(300, 256, generator=g).to(dtype), torch.randn(300, 256, generator=g).to(dtype)
     weight = torch.randn(256, generator=g).to(dtype)
@@ -221,6 +248,53 @@ def test_two_threads_give_one_threads_bits(dtype):
                 f"{dtype} {name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [16, 300])
+def test_cpp_ops_equal_the_numba_ops(dtype, tokens):
+    """The C++ ops against the numba loops on Qwen3-0.6B's widths (hidden 1,024,
+    intermediate 3,072, 16 + 8 heads of 128): a decode step's 16 rows, run on the
+    calling thread, and 300 rows, split between threads. The rotation is bit for
+    bit; a norm may differ by one rounding of its sum of squares (summed in another
+    order), SiLU by one ulp of its exp (other multiply-adds), and in bf16 that is one
+    rounding step of the output, rarely."""
+    if not native.handles(dtype):
+        pytest.skip(f"the C++ layer ops do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
+    g = torch.Generator().manual_seed(tokens)
+    x, residual = (torch.randn(tokens, 1024, generator=g) * 3).to(dtype), torch.randn(tokens, 1024, generator=g).to(dtype)
+    weight, q_w, k_w = (torch.randn(n, generator=g).to(dtype) for n in (1024, 128, 128))
+    gate_up = (torch.randn(tokens, 2 * 3072, generator=g) * 4).to(dtype)
+    qkv = (torch.randn(tokens, 32 * 128, generator=g) * 2).to(dtype)
+    rope = RotaryEmbedding(128, 4096, 1000000.0)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    calls = {
+        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
+        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
+        "rotary_embedding": lambda: (L.rotary_embedding(positions, qkv[:, :2048], rope.cos_cache, rope.sin_cache, 128),),
+        "qk_norm_rope": lambda: L.qk_norm_rope(positions, qkv, 16, 8, 128, q_w, k_w, 1e-6, rope.cos_cache,
+                                               rope.sin_cache),
+    }
+    for name, call in calls.items():
+        with torch_threads(2):
+            cpp = call()
+            with cpu_native.numba_only():
+                ref = call()
+        for a, b in zip(cpp, ref):
+            if name == "rotary_embedding":
+                assert torch.equal(a, b), "C++ rotary_embedding differs from numba's: other rounding points"
+            elif dtype == torch.bfloat16:
+                # A norm's one-step difference, rotated: where a * cos and b * sin nearly cancel
+                # it is many steps of the small result, so it is bounded against the row's scale.
+                steps, frac = _bf16_steps(a, b)
+                worst = (a.float() - b.float()).abs().max().item()
+                assert frac <= BF16_MAX_FRACTION and (steps <= 1 or worst <= 2 ** -7 * b.float().abs().max().item()), (
+                    f"C++ bf16 {name} differs from numba's by {steps} rounding steps (at most {worst:.3g}) "
+                    f"in {frac:.2%} of elements")
+            else:
+                torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=f"C++ fp32 {name} differs from numba's")
+
+
+@pytest.mark.usefixtures("impl")
 def test_bad_inputs_are_refused_by_name():
     rope = RotaryEmbedding(8, 16, 10000.0)
     with pytest.raises(IndexError, match="outside the cos/sin table"):

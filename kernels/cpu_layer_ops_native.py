@@ -1,0 +1,133 @@
+"""The C++ fused layer ops (`csrc/cpu_layer_ops.cpp`): the parameter block, the call, the
+split between threads.
+
+vLLM counterpart: the CPU build's `_C` ops `rms_norm`, `fused_add_rms_norm`,
+`silu_and_mul` and `rotary_embedding` (csrc/cpu/), which its layers call through
+torch.ops.
+
+Why: on a decode step each op is a few microseconds of arithmetic on 16 rows, and the
+engine makes four per layer. What a call costs is the call: numba's dispatcher types
+every argument and its parallel loop wakes the thread team each time. Here a call is one
+ctypes call with a pointer to an int64 parameter block, on the calling thread; an op over
+`SPLIT_ELEMENTS` values or more (a prefill) is split into one row range per thread by
+numba's prange, as the attention kernel's items are (`cpu_native._fan_out`).
+
+Where it runs (`handles`): where the C++ attention kernel runs (`cpu_native.unavailable_reason`
+is None: AVX-512 with BF16, numba targeting the host, a compiler, MINI_VLLM_CPU_ATTN not
+`numba`), outside `cpu_native.numba_only()`, for fp32 and bf16 rows. Elsewhere the numba
+ops of cpu_layer_ops.py run; they stay the reference the tests hold these to, bit for bit
+where the rounding points allow (everything but a norm's sum of squares).
+
+The callers (cpu_layer_ops.py's public functions) have checked dtypes, shapes and strides;
+these functions only pack pointers. Every output is written whole, so it may be allocated
+uninitialised.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import torch
+from numba import njit, prange, types
+
+from . import cpu_native
+from .cpu_runtime import use_torch_threads
+
+# The parameter block's slots, in the order of `enum Param` in the C++ file.
+PARAMS = ("op", "dtype", "rows", "width", "x", "x_stride", "residual", "residual_stride", "weight", "eps_bits",
+          "out", "residual_out", "positions", "cos", "sin", "cos_stride", "sin_stride", "table_rows", "head_size", "q_heads",
+          "k_heads", "k_weight", "k_out")
+RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, ROPE, QK_NORM_ROPE = range(5)  # `enum Op`
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_SIZE = 512  # kMaxHeadSize: the rotations' scratch is on the stack
+# Below this many values an op runs on the calling thread. A split costs about 2.5 us
+# (the team is awake from the linear before); it paid for a decode step's SiLU-and-mul
+# and q/k rotation (16 x 3,072 values) and not for its norms (16 x 1,024).
+SPLIT_ELEMENTS = 1 << 15
+
+_ERRORS = {1: (IndexError, "rotary_embedding: a position is outside the cos/sin table"),
+           2: (ValueError, f"head_size over {MAX_HEAD_SIZE}, the most the C++ rotation takes")}
+
+
+def handles(dtype: torch.dtype) -> bool:
+    """Do the C++ ops run for tensors of this dtype here (see the module docstring)?"""
+    return (not cpu_native._numba_only_depth and dtype in DTYPES
+            and cpu_native.layer_ops_library(len(PARAMS)) is not None)
+
+
+_worker = types.ExternalFunction("mini_vllm_layer_op_worker", types.void(types.intp, types.int64, types.int64))
+
+
+@njit(cache=True, parallel=True)
+def _fan_out(params, nthreads):
+    """Worker w of nthreads computes its slice of the rows (the rows split evenly)."""
+    for w in prange(nthreads):
+        _worker(params.ctypes.data, w, nthreads)
+
+
+def _eps_bits(eps: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", eps))[0]
+
+
+class _ParamBlock(threading.local):
+    """Each thread's parameter block, allocated once with its address: filling it costs
+    0.5 us where a new array and its ctypes address cost 1.7 us."""
+
+    def __init__(self) -> None:
+        self.params = np.zeros(len(PARAMS), np.int64)
+        self.address = self.params.ctypes.data
+
+
+_block = _ParamBlock()
+
+
+def _run(slots: tuple, elements: int) -> None:
+    block = _block
+    block.params[:] = slots
+    lib = cpu_native.layer_ops_library(len(PARAMS))
+    split = elements >= SPLIT_ELEMENTS and torch.get_num_threads() > 1
+    status = lib.mini_vllm_layer_op(block.address, 0 if split else 1)
+    if status:
+        error, message = _ERRORS[status]
+        raise error(message)
+    if split:
+        _fan_out(block.params, use_torch_threads())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    rows, width = x.shape
+    _run((RMS_NORM, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(),
+          _eps_bits(eps), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor, residual_out: torch.Tensor) -> None:
+    rows, width = x.shape
+    _run((ADD_RMS_NORM, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), residual.data_ptr(),
+          residual.stride(0), weight.data_ptr(), _eps_bits(eps), out.data_ptr(), residual_out.data_ptr(),
+          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    rows, inter = out.shape
+    _run((SILU_AND_MUL, DTYPES[x.dtype], rows, inter, x.data_ptr(), x.stride(0), 0, 0, 0, 0, out.data_ptr(),
+          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * inter)
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                     head_size: int, out: torch.Tensor) -> None:
+    rows, width = x.shape
+    _run((ROPE, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), 0, 0, 0, 0, out.data_ptr(), 0,
+          positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.stride(0),
+          sin_cache.stride(0), cos_cache.shape[0], head_size, 0, 0, 0, 0), rows * width)
+
+
+def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor) -> None:
+    rows = qkv.shape[0]
+    _run((QK_NORM_ROPE, DTYPES[qkv.dtype], rows, 0, qkv.data_ptr(), qkv.stride(0), 0, 0, q_weight.data_ptr(),
+          _eps_bits(eps), q_out.data_ptr(), 0, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+          cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], head_size, num_heads, num_kv_heads,
+          k_weight.data_ptr(), k_out.data_ptr()), rows * (num_heads + num_kv_heads) * head_size)
