@@ -36,8 +36,8 @@ from .cpu_runtime import use_torch_threads
 
 # The parameter block's slots, in the order of `enum Param` in the C++ file.
 PARAMS = ("op", "dtype", "rows", "width", "x", "x_stride", "residual", "residual_stride", "weight", "eps_bits",
-          "out", "residual_out", "positions", "cos", "sin", "cos_stride", "sin_stride", "table_rows", "head_size", "q_heads",
-          "k_heads", "k_weight", "k_out")
+          "out", "residual_out", "positions", "cos", "sin", "cos_stride", "sin_stride", "table_rows", "head_size",
+          "q_heads", "k_heads", "k_weight", "k_out")
 RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, ROPE, QK_NORM_ROPE = range(5)  # `enum Op`
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_SIZE = 512  # kMaxHeadSize: the rotations' scratch is on the stack

@@ -1,4 +1,6 @@
-"""The C++ paged-attention kernel for fp32 and bf16 caches (`csrc/cpu_attn.cpp`): built, loaded, called.
+"""The C++ paged-attention kernel for fp32 and bf16 caches (`csrc/cpu_attn.cpp`): built, loaded, called;
+and the build and load of the C++ layer ops' library (`csrc/cpu_layer_ops.cpp`, called by
+`cpu_layer_ops_native.py`), which run where this kernel runs.
 
 vLLM counterpart: vLLM's CPU build compiles `csrc/cpu/*.cpp` (its attention in
 `cpu_attn.cpp` / `cpu_attn_impl.hpp`) into the `_C` extension when it is
@@ -18,9 +20,10 @@ decodes 1.24x and prefills 1.59x; the tiny workload's fp32 decodes 1.12x, prefil
 Where it runs (`unavailable_reason()` is None): an x86 CPU with AVX-512 F / BW /
 VL / DQ and AVX512_BF16, numba targeting the host (not an ISA held back, as
 `cpu_runtime.AVX2_ONLY_ENV` holds it), a C++ compiler ($CXX or g++), and
-`MINI_VLLM_CPU_ATTN` not `numba`; per call (`handles`), an fp32 or bf16 cache and a
-head_dim that is a multiple of 16 or 32. Everything else runs the numba kernel, which stays the
-reference implementation on every CPU. A failed build is reported once
+`MINI_VLLM_CPU_ATTN` not `numba` (which keeps the layer ops in numba too); per call
+(`handles`), an fp32 or bf16 cache and a head_dim that is a multiple of 16 or 32.
+Everything else runs the numba kernel, which stays the reference implementation on
+every CPU. A failed build is reported once
 (a warning with the compiler's message) and the numba kernel runs instead.
 
 Threads: the work items, their order and the shared counter are the numba

@@ -74,7 +74,8 @@ def test_silu_and_mul_matches_torch(tokens, inter):
                                msg="silu_and_mul must be silu([gate]) * [up] with gate the FIRST half")
 
 
-@pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (9, 4, 64), (40, 2, 128)])
+# (3, 1, 1024): a head over the C++ rotation's largest (MAX_HEAD_SIZE) takes the numba loop.
+@pytest.mark.parametrize("tokens,heads,head_size", [(1, 1, 8), (9, 4, 64), (40, 2, 128), (3, 1, 1024)])
 @pytest.mark.usefixtures("impl")
 def test_rotary_embedding_equals_torch_bit_for_bit(tokens, heads, head_size):
     rope = RotaryEmbedding(head_size, 512, 10000.0)
@@ -260,7 +261,8 @@ def test_cpp_ops_equal_the_numba_ops(dtype, tokens):
     if not native.handles(dtype):
         pytest.skip(f"the C++ layer ops do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
     g = torch.Generator().manual_seed(tokens)
-    x, residual = (torch.randn(tokens, 1024, generator=g) * 3).to(dtype), torch.randn(tokens, 1024, generator=g).to(dtype)
+    x = (torch.randn(tokens, 1024, generator=g) * 3).to(dtype)
+    residual = torch.randn(tokens, 1024, generator=g).to(dtype)
     weight, q_w, k_w = (torch.randn(n, generator=g).to(dtype) for n in (1024, 128, 128))
     gate_up = (torch.randn(tokens, 2 * 3072, generator=g) * 4).to(dtype)
     qkv = (torch.randn(tokens, 32 * 128, generator=g) * 2).to(dtype)
@@ -270,7 +272,8 @@ def test_cpp_ops_equal_the_numba_ops(dtype, tokens):
         "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
         "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
         "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
-        "rotary_embedding": lambda: (L.rotary_embedding(positions, qkv[:, :2048], rope.cos_cache, rope.sin_cache, 128),),
+        "rotary_embedding": lambda: (L.rotary_embedding(positions, qkv[:, :2048], rope.cos_cache, rope.sin_cache,
+                                                        128),),
         "qk_norm_rope": lambda: L.qk_norm_rope(positions, qkv, 16, 8, 128, q_w, k_w, 1e-6, rope.cos_cache,
                                                rope.sin_cache),
     }
