@@ -161,7 +161,8 @@ def _build_dir() -> Path:
 def _build(source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
     """The compiled library, built if this source and these flags have not been: written
     under a temporary name and renamed, so concurrent builders never load half a file."""
-    source = source_path.read_bytes()
+    # The source and every header beside it (simd_avx512.h, which both libraries include).
+    source = b"".join(p.read_bytes() for p in (source_path, *sorted(source_path.parent.glob("*.h"))))
     digest = hashlib.sha256(source + " ".join((_compiler(), *flags)).encode()).hexdigest()[:16]
     target = _build_dir() / f"{source_path.stem}-{digest}.so"
     if not target.is_file():

@@ -224,3 +224,19 @@ def test_output_rounds_to_nearest_even_as_torch_does():
     out, args = run(batch, scrambled_layout(batch.seq_lens, 32, seed=6), GQAShape(16, 8, 128), seed=6)
     same = (out.view(torch.int16) == _numba_only(args).view(torch.int16)).float().mean().item()
     assert same >= 0.95, f"only {same:.1%} of outputs have the numba kernel's bits: not rounded to nearest even?"
+
+
+def test_a_header_edit_rebuilds_the_library(tmp_path):
+    """Both C++ files include csrc/simd_avx512.h: a library named by its .cpp alone would keep
+    serving the old code after the header changed (a stale exp, a stale widening)."""
+    if REASON is not None:
+        pytest.skip(f"the C++ kernels cannot run here: {REASON}")
+    for name in ("cpu_layer_ops.cpp", "simd_avx512.h"):
+        (tmp_path / name).write_bytes((cpu_native.SOURCE.parent / name).read_bytes())
+    source = tmp_path / "cpu_layer_ops.cpp"
+    first = cpu_native._build(source, cpu_native.LAYER_OPS_FLAGS)
+    header = tmp_path / "simd_avx512.h"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    second = cpu_native._build(source, cpu_native.LAYER_OPS_FLAGS)
+    assert first != second and first.is_file() and second.is_file(), \
+        "editing the shared header must build a library under a new name (the header is part of the hash)"

@@ -33,7 +33,12 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd_avx512.h"
+
 namespace {
+
+using mini_vllm_simd::exp16;
+using mini_vllm_simd::widen16;
 
 // The parameter block the Python side fills (cpu_native.PARAMS names each slot).
 enum Param {
@@ -93,29 +98,9 @@ Args unpack(const int64_t* p) {
   return a;
 }
 
-// exp(x) for x <= 0 (scores minus the running max), 16 lanes: the polynomial of the numba
-// kernel's _exp (Cephes, relative error < 1e-7), x clamped to [-87, 88].
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
-                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);    // ln 2 in two parts,
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);          // so r keeps its low bits
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-// 16 bf16 values -> 16 fp32: bf16 is the top half of an fp32.
+// 16 bf16 values at p -> 16 fp32.
 inline __m512 widen16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline __m512bh load_bh(const uint16_t* p) {

@@ -31,7 +31,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd_avx512.h"
+
 namespace {
+
+using mini_vllm_simd::exp16;
+using mini_vllm_simd::widen16;
 
 // The parameter block the Python side fills (cpu_layer_ops_native.PARAMS names each slot).
 enum Param {
@@ -134,31 +139,10 @@ void add_row(const T* x, const T* r, T* out, int64_t n) {
 // under 1.2e-38 in magnitude becomes 0 (the generic code would round it): no layer's
 // output lives there. Each loop takes 16 values a step, the last step masked.
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-inline __m512 widen16(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 inline __m512 load16(const uint16_t* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
 inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
 inline void store16(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
 inline __m512 narrow16(__m512 v) { return widen16(to_bf16(v)); }
-
-// fast_exp on 16 lanes (the same polynomial and clamp).
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                                _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                           _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 template <>
 void add_row<uint16_t>(const uint16_t* x, const uint16_t* r, uint16_t* out, int64_t n) {
@@ -189,7 +173,7 @@ void silu_and_mul_row<uint16_t>(const uint16_t* gate, const uint16_t* up, uint16
   for (int64_t j = 0; j < n; j += 16) {
     __mmask16 m = tail_mask(n - j);
     __m512 g = load16(gate + j, m);
-    __m512 silu = narrow16(_mm512_div_ps(g, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(zero, g)))));
+    __m512 silu = narrow16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
     store16(out + j, _mm512_mul_ps(silu, load16(up + j, m)), m);
   }
 }
