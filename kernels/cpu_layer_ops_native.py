@@ -37,14 +37,18 @@ from .cpu_runtime import use_torch_threads
 # The parameter block's slots, in the order of `enum Param` in the C++ file.
 PARAMS = ("op", "dtype", "rows", "width", "x", "x_stride", "residual", "residual_stride", "weight", "eps_bits",
           "out", "residual_out", "positions", "cos", "sin", "cos_stride", "sin_stride", "table_rows", "head_size",
-          "q_heads", "k_heads", "k_weight", "k_out")
-RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, ROPE, QK_NORM_ROPE = range(5)  # `enum Op`
+          "q_heads", "k_heads", "k_weight", "k_out", "in_features", "bias")
+RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, ROPE, QK_NORM_ROPE, LINEAR = range(6)  # `enum Op`
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_SIZE = 512  # kMaxHeadSize: the rotations' scratch is on the stack
 # Below this many values an op runs on the calling thread. A split costs about 2.5 us
 # (the team is awake from the linear before); it paid for a decode step's SiLU-and-mul
 # and q/k rotation (16 x 3,072 values) and not for its norms (16 x 1,024).
 SPLIT_ELEMENTS = 1 << 15
+# A linear splits its output panels between threads from this many multiply-adds (about
+# 10 us of one core's work, four times what the split costs).
+SPLIT_MACS = 1 << 20
+PANEL_COLUMNS = 32  # kPanelColumns of csrc/cpu_gemm_bf16.h
 
 _ERRORS = {1: (IndexError, "rotary_embedding: a position is outside the cos/sin table"),
            2: (ValueError, f"head_size over {MAX_HEAD_SIZE}, the most the C++ rotation takes")}
@@ -82,11 +86,11 @@ class _ParamBlock(threading.local):
 _block = _ParamBlock()
 
 
-def _run(slots: tuple, elements: int) -> None:
+def _run(slots: tuple, work: int, split_at: int = SPLIT_ELEMENTS) -> None:
     block = _block
     block.params[:] = slots
     lib = cpu_native.layer_ops_library(len(PARAMS))
-    split = elements >= SPLIT_ELEMENTS and torch.get_num_threads() > 1
+    split = work >= split_at and torch.get_num_threads() > 1
     status = lib.mini_vllm_layer_op(block.address, 0 if split else 1)
     if status:
         error, message = _ERRORS[status]
@@ -98,7 +102,7 @@ def _run(slots: tuple, elements: int) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     rows, width = x.shape
     _run((RMS_NORM, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(),
-          _eps_bits(eps), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
+          _eps_bits(eps), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -106,13 +110,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, width = x.shape
     _run((ADD_RMS_NORM, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), residual.data_ptr(),
           residual.stride(0), weight.data_ptr(), _eps_bits(eps), out.data_ptr(), residual_out.data_ptr(),
-          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
+          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * width)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
     rows, inter = out.shape
     _run((SILU_AND_MUL, DTYPES[x.dtype], rows, inter, x.data_ptr(), x.stride(0), 0, 0, 0, 0, out.data_ptr(),
-          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * inter)
+          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), rows * inter)
 
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -120,7 +124,7 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.
     rows, width = x.shape
     _run((ROPE, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), 0, 0, 0, 0, out.data_ptr(), 0,
           positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.stride(0),
-          sin_cache.stride(0), cos_cache.shape[0], head_size, 0, 0, 0, 0), rows * width)
+          sin_cache.stride(0), cos_cache.shape[0], head_size, 0, 0, 0, 0, 0, 0), rows * width)
 
 
 def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
@@ -130,4 +134,26 @@ def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num
     _run((QK_NORM_ROPE, DTYPES[qkv.dtype], rows, 0, qkv.data_ptr(), qkv.stride(0), 0, 0, q_weight.data_ptr(),
           _eps_bits(eps), q_out.data_ptr(), 0, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
           cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], head_size, num_heads, num_kv_heads,
-          k_weight.data_ptr(), k_out.data_ptr()), rows * (num_heads + num_kv_heads) * head_size)
+          k_weight.data_ptr(), k_out.data_ptr(), 0, 0), rows * (num_heads + num_kv_heads) * head_size)
+
+
+def handles_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does `linear` take this bf16 product here: the C++ library runs, the weight's rows
+    fill whole panels and its row length is even (pairs of inputs), x's rows are unit-stride?"""
+    return (x.dtype == torch.bfloat16 and handles(torch.bfloat16) and weight.dim() == 2
+            and weight.shape[0] % PANEL_COLUMNS == 0 and weight.shape[1] % 2 == 0 and x.stride(-1) == 1)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The layout of csrc/cpu_gemm_bf16.h: [N/32 panels][K/2 pairs][32 columns][2]."""
+    n, k = weight.shape
+    return (weight.detach().reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3)
+            .contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [rows, N] = x [rows, K] @ W.T (+ bias): packed from pack_linear_weight, bias fp32."""
+    rows, k = x.shape
+    n = out.shape[1]
+    _run((LINEAR, DTYPES[x.dtype], rows, n, x.data_ptr(), x.stride(0), 0, 0, packed.data_ptr(), 0, out.data_ptr(),
+          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, k, 0 if bias is None else bias.data_ptr()), rows * n * k, SPLIT_MACS)

@@ -28,6 +28,8 @@ NATIVE_TESTS = ["tests/test_kernels_cpu_native.py"]
 LAYER_OPS = "kernels/cpu_layer_ops.py"
 LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
 LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (AVX512_BF16)
+GEMM_BF16 = "kernels/csrc/cpu_gemm_bf16.h"  # the same
+GEMM_TESTS = ["tests/test_kernels_cpu_gemm_bf16.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -438,8 +440,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpp_worker_skips_its_first_row",
         path=LAYER_OPS_CPP,
-        old="run_range(params, rows * w / n, rows * (w + 1) / n);",
-        new="run_range(params, rows * w / n + 1, rows * (w + 1) / n);",
+        old="run_range(params, total * w / n, total * (w + 1) / n);",
+        new="run_range(params, total * w / n + 1, total * (w + 1) / n);",
         tests=LAYER_TESTS,
         why="C++ ops split between threads: each worker's first row is never written",
     ),
@@ -474,5 +476,45 @@ MUTANTS: list[Mutant] = [
         new="key = (weight.data_ptr(), ",
         tests=LAYER_TESTS,
         why="the oneDNN-packed weight keyed without the version counter: a weight written in place is never repacked",
+    ),
+    Mutant(
+        name="gemm_hi_half_takes_lo_weights",
+        path=GEMM_BF16,
+        old="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);",
+        new="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_lo);",
+        tests=GEMM_TESTS,
+        why="bf16 linear: a panel's columns 16-31 are multiplied by the weights of columns 0-15",
+    ),
+    Mutant(
+        name="gemm_last_input_pair_skipped",
+        path=GEMM_BF16,
+        old="for (int64_t kp = 0; kp < pairs; ++kp) {",
+        new="for (int64_t kp = 0; kp < pairs - 1; ++kp) {",
+        tests=GEMM_TESTS,
+        why="bf16 linear: the sum over the inputs stops one pair short",
+    ),
+    Mutant(
+        name="gemm_bias_dropped",
+        path=GEMM_BF16,
+        old="if (bias) {  // without one",
+        new="if (false) {  // without one",
+        tests=GEMM_TESTS,
+        why="bf16 linear: the bias is never added",
+    ),
+    Mutant(
+        name="gemm_tail_rows_dropped",
+        path=GEMM_BF16,
+        old="for (int64_t r = c0; r < c1; r += kTileRows) {",
+        new="for (int64_t r = c0; r + kTileRows <= c1; r += kTileRows) {",
+        tests=GEMM_TESTS,
+        why="bf16 linear: rows past the last full tile of 8 are never written",
+    ),
+    Mutant(
+        name="gemm_pack_pairs_transposed",
+        path="kernels/cpu_layer_ops_native.py",
+        old=".permute(0, 2, 1, 3)",
+        new=".permute(0, 2, 3, 1)",
+        tests=GEMM_TESTS,
+        why="bf16 linear: the weight packed [pair][2][32] where the kernel reads [pair][32][2]",
     ),
 ]

@@ -295,9 +295,17 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="compiled_graph_unpacks_linears",
         path="05_mini_vllm/models/cpu_ops.py",
-        old="return torch.ops.mini_vllm.onednn_linear(x, weight, bias, owner._onednn_name)",
+        old="return torch.ops.mini_vllm.packed_linear(x, weight, bias, owner._packed_name)",
         new="return F.linear(x, weight, bias)",
         tests=["tests/test_ch5_compilation.py::test_compiled_pieces_keep_the_packed_linears"],
         why="the compiled CPU model traces its linears to torch's matmul on the unpacked weight (slower in bf16)",
+    ),
+    Mutant(
+        name="linear_kernel_chosen_by_row_count",
+        path="05_mini_vllm/models/cpu_ops.py",
+        old="if native_ops.handles_linear(x, weight):",
+        new="if native_ops.handles_linear(x, weight) and x.numel() < 64 * x.shape[-1]:",
+        tests=["tests/test_kernels_cpu_gemm_bf16.py::test_bf16_linear_gives_every_row_the_same_bits_in_any_batch"],
+        why="small batches take the C++ bf16 kernel and large ones oneDNN: a request's tokens depend on its batch",
     ),
 ]

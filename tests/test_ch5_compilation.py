@@ -213,7 +213,7 @@ def test_piece_wrapper_receives_every_compiled_piece(runs, models, arch):
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_compiled_pieces_keep_the_packed_linears(models, arch):
-    """On the CPU every linear layer of the traced graph is `mini_vllm::onednn_linear`
+    """On the CPU every linear layer of the traced graph is `mini_vllm::packed_linear`
     (the weight packed once for oneDNN, as in eager mode), never a plain matmul that
     inductor would run on the unpacked weight: four per layer (qkv, o, gate_up, down).
     The FX backend traces the same graph as inductor's, without compiling it."""
@@ -223,7 +223,7 @@ def test_compiled_pieces_keep_the_packed_linears(models, arch):
     logits, tokens, _ = run_scenario(model, config, cf)
     assert tokens == run_scenario(model, config, model)[1], f"{arch}: the traced graph's tokens differ from eager"
     calls = [node.target for p in cf.stats.pieces for node in p.graph.graph.nodes if node.op == "call_function"]
-    packed = sum(_op_name(t) == "mini_vllm::onednn_linear" for t in calls)
+    packed = sum(_op_name(t) == "mini_vllm::packed_linear" for t in calls)
     plain = [str(t) for t in calls if t in (torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm,
                                            torch.addmm)]
     assert packed == 4 * n and not plain, (

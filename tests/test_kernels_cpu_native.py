@@ -231,8 +231,8 @@ def test_a_header_edit_rebuilds_the_library(tmp_path):
     serving the old code after the header changed (a stale exp, a stale widening)."""
     if REASON is not None:
         pytest.skip(f"the C++ kernels cannot run here: {REASON}")
-    for name in ("cpu_layer_ops.cpp", "simd_avx512.h"):
-        (tmp_path / name).write_bytes((cpu_native.SOURCE.parent / name).read_bytes())
+    for path in (cpu_native.SOURCE.parent / "cpu_layer_ops.cpp", *cpu_native.SOURCE.parent.glob("*.h")):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
     source = tmp_path / "cpu_layer_ops.cpp"
     first = cpu_native._build(source, cpu_native.LAYER_OPS_FLAGS)
     header = tmp_path / "simd_avx512.h"

@@ -1,11 +1,14 @@
-"""Which implementation a layer runs on the CPU: oneDNN matmuls with each
-weight packed once, and the compiled fused ops of `kernels/cpu_layer_ops.py`.
+"""Which implementation a layer runs on the CPU: matmuls with each weight packed once
+(oneDNN's, or in bf16 the C++ kernel of `kernels/csrc/cpu_gemm_bf16.h`), and the
+compiled fused ops of `kernels/cpu_layer_ops.py`.
 
 vLLM counterpart: `vllm/model_executor/layers/utils.py`
 (`dispatch_cpu_unquantized_gemm`), which gives every unquantized linear layer
 on x86 a oneDNN matmul whose weight was reordered once, at load time, into
-the blocked layout the matmul reads fastest; and `vllm/_custom_ops.py`, through
-which vLLM's layers call its CPU build's fused norm, activation and rotary ops.
+the blocked layout the matmul reads fastest (or, for small weights, the packed
+bf16 GEMM of csrc/cpu/sgl-kernels, `weight_packed_linear`); and
+`vllm/_custom_ops.py`, through which vLLM's layers call its CPU build's fused
+norm, activation and rotary ops.
 
 Why: `F.linear` hands the weight to the BLAS as it is, row-major [N, K], and
 the BLAS repacks panels of it on every call. oneDNN's packed layout is done
@@ -15,9 +18,19 @@ faster for a 128-row decode step (the lm_head gains most) and 1.10-1.17x for
 a 2,048-token prefill, at one thread and at two; the linear layers are about
 half of an engine step.
 
+Why a kernel of our own for bf16: on a decode step (1-16 rows) oneDNN's bf16
+matmul read the weight at 7-12 GB/s on one Zen 4 core where the core streams
+20-22 GB/s, and the linears are four fifths of a Qwen3-0.6B-shaped engine step.
+The C++ kernel (VDPBF16PS on panels of 32 output columns, every row count the
+same instruction sequence per output) reads 20-30 GB/s for 1 row, is 1.2-1.6x
+oneDNN for 8-16 rows and level with it (210-220 GFLOP/s) on a prefill. It runs
+where the C++ layer ops run (AVX512_BF16) for weights of N % 32 == 0 and even
+K; other weights, and every CPU without it, keep oneDNN.
+
 Invariants:
 * `linear(x, layer.weight, bias, layer)` equals `F.linear(x, weight, bias)`
-  up to fp32 summation order (oneDNN blocks the K sum differently);
+  up to fp32 summation order (oneDNN and the C++ kernel order the K sum
+  otherwise; in bf16 that moves an output by at most one rounding step);
 * the packed copy follows the weight: it is keyed on the weight's storage
   and its version counter, so a weight written in place after loading (a
   test zeroing a projection, a reload) is packed again on the next call,
@@ -35,7 +48,7 @@ Invariants:
 * under `torch.compile` (`torch.compiler.is_compiling()`, a constant while
   Dynamo traces) the fused ops are off: the traced graph holds the plain torch
   ops, which inductor fuses and `compilation/backends.py` splits at attention.
-  The packed matmul stays, as the op `mini_vllm::onednn_linear` (vLLM's
+  The packed matmul stays, as the op `mini_vllm::packed_linear` (vLLM's
   compiled CPU models call `torch.ops._C.onednn_mm` the same way): inductor
   cannot pack a weight once, and without it a compiled bf16 model ran every
   linear layer through an unpacked matmul (Qwen3-0.6B's q/k/v projection for
@@ -47,7 +60,8 @@ Invariants:
   other value is refused at import, naming the allowed ones.
 
 Batch invariance: a row's result from the packed matmul does not depend on
-how many rows share the call, so a request's logits are the same bits alone or
+how many rows share the call (which kernel runs is chosen by the layer and the
+CPU, never by the row count), so a request's logits are the same bits alone or
 in a batch (the engine's outputs do not depend on scheduling, which the core
 process tests compare to 5 decimals). F.linear does not have this property: the
 BLAS takes another kernel for 1 row than for several. It is faster for 1-2
@@ -79,6 +93,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from mini_vllm.kernels import cpu_layer_ops_native as native_ops
+
 _CHOICES = ("compiled", "torch")
 CPU_OPS = os.environ.get("MINI_VLLM_CPU_OPS", "compiled")
 if CPU_OPS not in _CHOICES:
@@ -106,18 +122,33 @@ PRIMITIVE_CACHE_CAPACITY = 8192  # about 4 weight shapes x every row count up to
 PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() else (torch.float32,)
 
 
-def _packed_weight(owner, weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-packed copy of `weight`, cached in `owner._onednn_packed` (a field
-    every layer that calls `linear` declares) until the weight changes."""
-    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-    cached = owner._onednn_packed
+def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
+    """The packed copy of `weight` for the C++ bf16 kernel (`native`) or for oneDNN, cached
+    in `owner._packed` (a field every layer that calls `linear` declares) until the weight
+    changes or the other kernel is asked for (the tests switch the C++ kernels off)."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), native)
+    cached = owner._packed
     if cached is None or cached[0] != key:
         # before oneDNN's first primitive in this process, if this is it (see the docstring)
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
         with torch.no_grad():
-            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        owner._onednn_packed = cached
+            packed = (native_ops.pack_linear_weight(weight) if native
+                      else torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        cached = (key, packed)
+        owner._packed = cached
     return cached[1]
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
+    """x @ weight.T (+ bias) on a packed weight: the C++ bf16 kernel where it takes the
+    shapes (`native_ops.handles_linear`), else oneDNN. Which one depends on the layer and the
+    CPU, never on the number of rows (see Batch invariance above)."""
+    if native_ops.handles_linear(x, weight):
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
+        native_ops.linear(rows, _packed_weight(owner, weight, True), None if bias is None else bias.float(), out)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight, False), bias, "none", [], "")
 
 
 # Layers that call `linear`, by name, for the op below (held weakly: a dropped model is freed).
@@ -127,29 +158,29 @@ _NEXT_OWNER = itertools.count()
 
 def register_owner(owner: torch.nn.Module) -> str:
     """A process-unique name for a layer that calls `linear`, by which the compiled graph's
-    `mini_vllm::onednn_linear` finds its packed weight; the layer keeps it as `_onednn_name`."""
+    `mini_vllm::packed_linear` finds its packed weight; the layer keeps it as `_packed_name`."""
     name = f"{type(owner).__name__}.{next(_NEXT_OWNER)}"
     _OWNERS[name] = owner
     return name
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: str) -> torch.Tensor:
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: str) -> torch.Tensor:
     layer = _OWNERS.get(owner)
     if layer is None:
-        raise RuntimeError(f"no live layer is named {owner!r} (mini_vllm::onednn_linear)")
+        raise RuntimeError(f"no live layer is named {owner!r} (mini_vllm::packed_linear)")
     if weight.is_inference():  # as in `linear`: no version counter to key a packed copy on
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer, weight), bias, "none", [], "")
+    return _packed_linear(x, weight, bias, layer)
 
 
 # Registered as `models/attention.py` registers attention (a Library, not
 # `torch.library.custom_op`, whose Python dispatch costs more per call).
 _LIB = torch.library.Library("mini_vllm", "FRAGMENT")
-_LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias, str owner) -> Tensor")
-_LIB.impl("onednn_linear", _onednn_linear, "CPU")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, str owner) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear_op, "CPU")
 
 
-@torch.library.register_fake("mini_vllm::onednn_linear", lib=_LIB)
+@torch.library.register_fake("mini_vllm::packed_linear", lib=_LIB)
 def _(x, weight, bias, owner):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -169,9 +200,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
             and (bias is None or bias.dtype == x.dtype) and CPU_OPS == "compiled" and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         if torch.compiler.is_compiling():  # an op in the traced graph (Dynamo cannot ask is_inference)
-            return torch.ops.mini_vllm.onednn_linear(x, weight, bias, owner._onednn_name)
+            return torch.ops.mini_vllm.packed_linear(x, weight, bias, owner._packed_name)
         if not weight.is_inference():  # made under inference_mode: no version counter to key a copy on
-            return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight), bias, "none", [], "")
+            return _packed_linear(x, weight, bias, owner)
     return F.linear(x, weight, bias)
 
 

@@ -104,10 +104,10 @@ class VocabParallelEmbedding(nn.Module):
                                    num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         self.weight.weight_loader = self.weight_loader
-        # As lm_head (`ParallelLMHead`): (key, oneDNN-packed weight), made by `cpu_ops.linear`,
+        # As lm_head (`ParallelLMHead`): (key, packed weight), made by `cpu_ops.linear`,
         # and the name by which a compiled graph's packed matmul finds this layer.
-        self._onednn_packed: tuple | None = None
-        self._onednn_name: str = cpu_ops.register_owner(self)
+        self._packed: tuple | None = None
+        self._packed_name: str = cpu_ops.register_owner(self)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         if self.tp.world_size == 1:

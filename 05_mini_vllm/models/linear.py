@@ -61,10 +61,10 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
-        # (key, oneDNN-packed weight), made by `cpu_ops.linear` on the first CPU call; the
+        # (key, packed weight: C++ bf16 panels or oneDNN), made by `cpu_ops.linear` on the first CPU call; the
         # name by which a compiled graph's packed matmul finds this layer.
-        self._onednn_packed: tuple | None = None
-        self._onednn_name: str = cpu_ops.register_owner(self)
+        self._packed: tuple | None = None
+        self._packed_name: str = cpu_ops.register_owner(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader

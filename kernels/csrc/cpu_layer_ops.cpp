@@ -1,6 +1,7 @@
 // The fused layer ops of kernels/cpu_layer_ops.py in C++, for fp32 and bf16 rows: RMSNorm
 // (alone and after the residual add), SiLU-and-mul, the neox rotary embedding, and Qwen3's
-// per-head q/k norm followed by the rotation.
+// per-head q/k norm followed by the rotation; and, through the same parameter block and
+// thread split, the bf16 linear layer of cpu_gemm_bf16.h (op kLinear).
 //
 // vLLM counterpart: csrc/cpu/layernorm.cpp, activation.cpp and pos_encoding.cpp, templates
 // over the element type that widen to fp32, compute and narrow, as these do.
@@ -23,14 +24,15 @@
 // torch rounds them. Sums of squares are vectorised (another order than numba's or torch's:
 // they agree to a few fp32 ulps, as the tests bound).
 //
-// Invariants: rows [begin, end) of a call depend only on those rows, so any split between
-// threads gives the same bits; positions are checked against the table before any row is
+// Invariants: rows [begin, end) of a call depend only on those rows (a linear's panels only
+// on theirs), so any split between threads gives the same bits; positions are checked against the table before any row is
 // written (mini_vllm_layer_op returns an error instead of reading outside it).
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_gemm_bf16.h"
 #include "simd_avx512.h"
 
 namespace {
@@ -42,9 +44,11 @@ using mini_vllm_simd::widen16;
 enum Param {
   kOp, kDtype, kRows, kWidth, kX, kXStride, kResidual, kResidualStride, kWeight, kEpsBits, kOut,
   kResidualOut, kPositions, kCos, kSin, kCosStride, kSinStride, kTableRows, kHeadSize, kQHeads, kKHeads,
-  kKWeight, kKOut, kNumParams
+  kKWeight, kKOut, kInFeatures, kBias, kNumParams
 };
-enum Op { kRmsNorm, kAddRmsNorm, kSiluAndMul, kRope, kQkNormRope };
+// kLinear (bf16 only): x [rows, in_features] @ weight.T (+ bias) -> out [rows, width]; weight
+// is packed (cpu_gemm_bf16.h), bias fp32 or 0, and threads split the output's panels.
+enum Op { kRmsNorm, kAddRmsNorm, kSiluAndMul, kRope, kQkNormRope, kLinear };
 // The largest head the rotations take (their per-row scratch lives on the stack).
 constexpr int64_t kMaxHeadSize = 512;
 
@@ -271,12 +275,22 @@ void run_rows(const Call& c, int64_t begin, int64_t end) {
   }
 }
 
+// Rows [begin, end) of an op, or, for kLinear, output panels [begin, end) of every row.
 void run_range(const int64_t* params, int64_t begin, int64_t end) {
   Call c{params};
-  if (params[kDtype] == 0)
+  if (params[kOp] == kLinear)
+    mini_vllm_gemm::linear_panels(c.ptr<const uint16_t>(kX), params[kXStride], params[kRows], params[kInFeatures],
+                                  c.ptr<const uint16_t>(kWeight), c.ptr<const float>(kBias), c.ptr<uint16_t>(kOut),
+                                  params[kWidth], begin, end);
+  else if (params[kDtype] == 0)
     run_rows<float>(c, begin, end);
   else
     run_rows<uint16_t>(c, begin, end);
+}
+
+// What threads split: rows, or a linear's output panels (each needs every row of x).
+int64_t units(const int64_t* params) {
+  return params[kOp] == kLinear ? params[kWidth] / mini_vllm_gemm::kPanelColumns : params[kRows];
 }
 
 }  // namespace
@@ -296,15 +310,16 @@ int64_t mini_vllm_layer_op(const int64_t* params, int64_t run) {
     for (int64_t t = 0; t < params[kRows]; ++t)
       if (pos[t] < 0 || pos[t] >= params[kTableRows]) return 1;
   }
-  if (run) run_range(params, 0, params[kRows]);
+  if (run) run_range(params, 0, units(params));
   return 0;
 }
 
-// Worker w of n: rows [rows * w / n, rows * (w + 1) / n), called once per thread by numba's
-// prange (cpu_layer_ops_native._fan_out) after mini_vllm_layer_op(params, 0) returned 0.
+// Worker w of n: units [total * w / n, total * (w + 1) / n) (rows, or a linear's panels),
+// called once per thread by numba's prange (cpu_layer_ops_native._fan_out) after
+// mini_vllm_layer_op(params, 0) returned 0.
 void mini_vllm_layer_op_worker(const int64_t* params, int64_t w, int64_t n) {
-  const int64_t rows = params[kRows];
-  run_range(params, rows * w / n, rows * (w + 1) / n);
+  const int64_t total = units(params);
+  run_range(params, total * w / n, total * (w + 1) / n);
 }
 
 }  // extern "C"
