@@ -18,6 +18,13 @@ bf16 model's widths (hidden 1,024, intermediate 3,072, 16 + 8 heads of 128): a
 Microseconds, the whole call (checks, allocation, dispatch) included, since on a
 decode step that is most of it.
 
+Last, the bf16 linear layers of that model: oneDNN's packed matmul against the C++
+kernel (kernels/csrc/cpu_gemm.h) that `cpu_ops.linear` runs where this CPU has
+AVX512_BF16, for 1 and 16 rows (decode) and 1,259 (the prefill). Each call cycles
+through COPIES copies of the weight, more than a server L3 holds, so a decode step
+reads its weights from memory as the engine's does. Milliseconds per call, GB/s of
+weight read or GFLOP/s.
+
 Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2]
 """
 from __future__ import annotations
@@ -37,10 +44,10 @@ from mini_vllm.models.rotary import RotaryEmbedding
 REPEATS = 50
 
 
-def best_pair(ref, new) -> tuple[float, float]:
+def best_pair(ref, new, repeats: int = REPEATS) -> tuple[float, float]:
     ref(), new()
     a, b = [], []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for fn, ts in ((ref, a), (new, b)):
             t0 = time.perf_counter()
             fn()
@@ -109,6 +116,49 @@ def native_rows(tokens: int) -> list[tuple[str, float, float]]:
     return [(name,) + best_pair(numba_only(fn), fn) for name, fn in ops.items()]
 
 
+COPIES = 4  # of each weight: 4 x 12.6 MB for gate_up, past a 32 MB L3
+QWEN3_LINEARS = (("qkv_proj", 1024, 4096), ("o_proj", 2048, 1024), ("gate_up_proj", 1024, 6144),
+                 ("down_proj", 3072, 1024), ("lm_head", 1024, 151936))
+
+
+def linear_rows(tokens: int) -> list[tuple[str, float, float, float, float]]:
+    """(layer, oneDNN ms, C++ ms, bytes, flops) per call on Qwen3-0.6B's bf16 linears."""
+    g, out = torch.Generator().manual_seed(tokens), []
+    for name, n_in, n_out in QWEN3_LINEARS:
+        if name == "lm_head" and tokens > 16:
+            continue  # a prefill runs the lm_head on each sequence's last token only
+        copies = COPIES if n_in * n_out * 2 < 64 << 20 else 1  # the lm_head alone is 311 MB
+        # Each side its own layers: a layer keeps one packed copy, for the kernel that last ran it.
+        sides = [[ColumnParallelLinear(n_in, n_out, bias=False) for _ in range(copies)] for _ in range(2)]
+        for layer in sides[0] + sides[1]:
+            torch.nn.init.normal_(layer.weight, std=n_in ** -0.5)
+            layer.to(torch.bfloat16)
+        h = torch.randn(tokens, n_in, generator=g).bfloat16()
+
+        def run(native_on: bool):
+            layers = sides[native_on]
+
+            def call():
+                if native_on:
+                    for layer in layers:
+                        cpu_ops.linear(h, layer.weight, None, layer)
+                else:
+                    with cpu_native.numba_only():  # the C++ kernels off: oneDNN
+                        for layer in layers:
+                            cpu_ops.linear(h, layer.weight, None, layer)
+            return call
+
+        with torch.inference_mode():
+            layer = sides[1][0]
+            ref = F.linear(h.float(), layer.weight.float())
+            got = cpu_ops.linear(h, layer.weight, None, layer)
+            assert layer._packed[0][-1], "the C++ bf16 linear did not run"
+            torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+            a, b = best_pair(run(False), run(True), repeats=REPEATS if tokens <= 16 else 5)
+        out.append((f"{name} {n_in}x{n_out}", a / copies, b / copies, n_in * n_out * 2, 2 * tokens * n_in * n_out))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
@@ -131,6 +181,13 @@ def main() -> None:
             print(f"\n{threads} thread(s), Qwen3-0.6B bf16, {tokens} tokens: numba us -> C++ us (numba / C++)")
             for name, a, b in native_rows(tokens):
                 print(f"  {name:<28} {a * 1e3:7.1f} -> {b * 1e3:7.1f}  ({a / b:.2f}x)")
+        for tokens in (1, 16, 1259):
+            unit = "GB/s" if tokens <= 16 else "GFLOP/s"
+            print(f"\n{threads} thread(s), Qwen3-0.6B bf16 linears, {tokens} rows: oneDNN ms -> C++ ms "
+                  f"(oneDNN / C++), {unit}")
+            for name, a, b, nbytes, flops in linear_rows(tokens):
+                rate = (lambda ms: nbytes / ms / 1e6) if tokens <= 16 else (lambda ms: flops / ms / 1e6)
+                print(f"  {name:<28} {a:7.3f} -> {b:7.3f}  ({a / b:.2f}x)  {rate(a):6.1f} -> {rate(b):6.1f}")
 
 
 if __name__ == "__main__":

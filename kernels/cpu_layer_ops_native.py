@@ -48,7 +48,7 @@ SPLIT_ELEMENTS = 1 << 15
 # A linear splits its output panels between threads from this many multiply-adds (about
 # 10 us of one core's work, four times what the split costs).
 SPLIT_MACS = 1 << 20
-PANEL_COLUMNS = 32  # kPanelColumns of csrc/cpu_gemm_bf16.h
+PANEL_COLUMNS = 32  # kPanelColumns of csrc/cpu_gemm.h
 
 _ERRORS = {1: (IndexError, "rotary_embedding: a position is outside the cos/sin table"),
            2: (ValueError, f"head_size over {MAX_HEAD_SIZE}, the most the C++ rotation takes")}
@@ -138,21 +138,26 @@ def qk_norm_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num
 
 
 def handles_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does `linear` take this bf16 product here: the C++ library runs, the weight's rows
-    fill whole panels and its row length is even (pairs of inputs), x's rows are unit-stride?"""
-    return (x.dtype == torch.bfloat16 and handles(torch.bfloat16) and weight.dim() == 2
-            and weight.shape[0] % PANEL_COLUMNS == 0 and weight.shape[1] % 2 == 0 and x.stride(-1) == 1)
+    """Does `linear` take this product here: the C++ library runs for x's dtype, the weight's
+    rows fill whole panels (and in bf16 its row length is even: pairs of inputs), x's rows
+    are unit-stride?"""
+    return (handles(x.dtype) and weight.dim() == 2 and weight.shape[0] % PANEL_COLUMNS == 0
+            and (x.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0) and x.stride(-1) == 1)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The layout of csrc/cpu_gemm_bf16.h: [N/32 panels][K/2 pairs][32 columns][2]."""
+    """The layout of csrc/cpu_gemm.h: bf16 [N/32 panels][K/2 pairs][32 columns][2];
+    fp32 [N/32 panels][K][32 columns]."""
     n, k = weight.shape
-    return (weight.detach().reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3)
-            .contiguous())
+    w = weight.detach()
+    if w.dtype == torch.bfloat16:
+        return w.reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k).permute(0, 2, 1).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [rows, N] = x [rows, K] @ W.T (+ bias): packed from pack_linear_weight, bias fp32."""
+    """out [rows, N] = x [rows, K] @ W.T (+ bias): packed by pack_linear_weight, bias fp32, out
+    of x's dtype."""
     rows, k = x.shape
     n = out.shape[1]
     _run((LINEAR, DTYPES[x.dtype], rows, n, x.data_ptr(), x.stride(0), 0, 0, packed.data_ptr(), 0, out.data_ptr(),

@@ -28,8 +28,8 @@ NATIVE_TESTS = ["tests/test_kernels_cpu_native.py"]
 LAYER_OPS = "kernels/cpu_layer_ops.py"
 LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
 LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (AVX512_BF16)
-GEMM_BF16 = "kernels/csrc/cpu_gemm_bf16.h"  # the same
-GEMM_TESTS = ["tests/test_kernels_cpu_gemm_bf16.py"]
+GEMM_CPP = "kernels/csrc/cpu_gemm.h"  # the same
+GEMM_TESTS = ["tests/test_kernels_cpu_gemm.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -479,7 +479,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="gemm_hi_half_takes_lo_weights",
-        path=GEMM_BF16,
+        path=GEMM_CPP,
         old="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);",
         new="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_lo);",
         tests=GEMM_TESTS,
@@ -487,7 +487,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="gemm_last_input_pair_skipped",
-        path=GEMM_BF16,
+        path=GEMM_CPP,
         old="for (int64_t kp = 0; kp < pairs; ++kp) {",
         new="for (int64_t kp = 0; kp < pairs - 1; ++kp) {",
         tests=GEMM_TESTS,
@@ -495,7 +495,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="gemm_bias_dropped",
-        path=GEMM_BF16,
+        path=GEMM_CPP,
         old="if (bias) {  // without one",
         new="if (false) {  // without one",
         tests=GEMM_TESTS,
@@ -503,7 +503,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="gemm_tail_rows_dropped",
-        path=GEMM_BF16,
+        path=GEMM_CPP,
         old="for (int64_t r = c0; r < c1; r += kTileRows) {",
         new="for (int64_t r = c0; r + kTileRows <= c1; r += kTileRows) {",
         tests=GEMM_TESTS,
@@ -516,5 +516,21 @@ MUTANTS: list[Mutant] = [
         new=".permute(0, 2, 3, 1)",
         tests=GEMM_TESTS,
         why="bf16 linear: the weight packed [pair][2][32] where the kernel reads [pair][32][2]",
+    ),
+    Mutant(
+        name="gemm_fp32_last_input_skipped",
+        path=GEMM_CPP,
+        old="for (int64_t k = 0; k < steps; ++k) {",
+        new="for (int64_t k = 0; k < steps - 1; ++k) {",
+        tests=GEMM_TESTS,
+        why="fp32 linear: the sum over the inputs stops one short",
+    ),
+    Mutant(
+        name="gemm_fp32_pack_untransposed",
+        path="kernels/cpu_layer_ops_native.py",
+        old="return w.reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k).permute(0, 2, 1).contiguous()",
+        new="return w.reshape(n // PANEL_COLUMNS, k, PANEL_COLUMNS).contiguous()",
+        tests=GEMM_TESTS,
+        why="fp32 linear: the weight's rows cut into panels without the transpose the kernel reads",
     ),
 ]

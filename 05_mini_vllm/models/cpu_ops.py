@@ -1,5 +1,5 @@
 """Which implementation a layer runs on the CPU: matmuls with each weight packed once
-(oneDNN's, or in bf16 the C++ kernel of `kernels/csrc/cpu_gemm_bf16.h`), and the
+(the C++ kernel of `kernels/csrc/cpu_gemm.h`, or oneDNN's), and the
 compiled fused ops of `kernels/cpu_layer_ops.py`.
 
 vLLM counterpart: `vllm/model_executor/layers/utils.py`
@@ -18,19 +18,21 @@ faster for a 128-row decode step (the lm_head gains most) and 1.10-1.17x for
 a 2,048-token prefill, at one thread and at two; the linear layers are about
 half of an engine step.
 
-Why a kernel of our own for bf16: on a decode step (1-16 rows) oneDNN's bf16
-matmul read the weight at 7-12 GB/s on one Zen 4 core where the core streams
-20-22 GB/s, and the linears are four fifths of a Qwen3-0.6B-shaped engine step.
-The C++ kernel (VDPBF16PS on panels of 32 output columns, every row count the
-same instruction sequence per output) reads 20-30 GB/s for 1 row, is 1.2-1.6x
-oneDNN for 8-16 rows and level with it (210-220 GFLOP/s) on a prefill. It runs
-where the C++ layer ops run (AVX512_BF16) for weights of N % 32 == 0 and even
-K; other weights, and every CPU without it, keep oneDNN.
+Why a kernel of our own: on a decode step (1-16 rows) oneDNN's bf16 matmul
+read the weight at 7-12 GB/s on one Zen 4 core where the core streams 20-22
+GB/s, and the linears are four fifths of a Qwen3-0.6B-shaped engine step. The
+C++ kernel (VDPBF16PS on panels of 32 output columns, every row count the same
+instruction sequence per output) reads 18-24 GB/s for 1 row, is 1.2x oneDNN
+for 16 rows and level with it (210-220 GFLOP/s) on a prefill. In fp32 the
+same loop on FMA gave oneDNN's bits for the tiny model's shapes at half the
+cost of a small call. It runs where the C++ layer ops run (AVX512_BF16) for
+weights of N % 32 == 0 (and even K in bf16); other weights, and every CPU
+without it, keep oneDNN (kernels/NOTES.md has the measurements).
 
 Invariants:
 * `linear(x, layer.weight, bias, layer)` equals `F.linear(x, weight, bias)`
   up to fp32 summation order (oneDNN and the C++ kernel order the K sum
-  otherwise; in bf16 that moves an output by at most one rounding step);
+  otherwise; in bf16 that rarely moves an output across a rounding boundary);
 * the packed copy follows the weight: it is keyed on the weight's storage
   and its version counter, so a weight written in place after loading (a
   test zeroing a projection, a reload) is packed again on the next call,

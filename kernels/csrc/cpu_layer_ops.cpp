@@ -1,7 +1,7 @@
 // The fused layer ops of kernels/cpu_layer_ops.py in C++, for fp32 and bf16 rows: RMSNorm
 // (alone and after the residual add), SiLU-and-mul, the neox rotary embedding, and Qwen3's
 // per-head q/k norm followed by the rotation; and, through the same parameter block and
-// thread split, the bf16 linear layer of cpu_gemm_bf16.h (op kLinear).
+// thread split, the linear layer of cpu_gemm.h (op kLinear).
 //
 // vLLM counterpart: csrc/cpu/layernorm.cpp, activation.cpp and pos_encoding.cpp, templates
 // over the element type that widen to fp32, compute and narrow, as these do.
@@ -32,7 +32,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_gemm_bf16.h"
+#include "cpu_gemm.h"
 #include "simd_avx512.h"
 
 namespace {
@@ -46,8 +46,8 @@ enum Param {
   kResidualOut, kPositions, kCos, kSin, kCosStride, kSinStride, kTableRows, kHeadSize, kQHeads, kKHeads,
   kKWeight, kKOut, kInFeatures, kBias, kNumParams
 };
-// kLinear (bf16 only): x [rows, in_features] @ weight.T (+ bias) -> out [rows, width]; weight
-// is packed (cpu_gemm_bf16.h), bias fp32 or 0, and threads split the output's panels.
+// kLinear: x [rows, in_features] @ weight.T (+ bias) -> out [rows, width]; weight is packed
+// (cpu_gemm.h), bias fp32 or 0, and threads split the output's panels.
 enum Op { kRmsNorm, kAddRmsNorm, kSiluAndMul, kRope, kQkNormRope, kLinear };
 // The largest head the rotations take (their per-row scratch lives on the stack).
 constexpr int64_t kMaxHeadSize = 512;
@@ -278,7 +278,11 @@ void run_rows(const Call& c, int64_t begin, int64_t end) {
 // Rows [begin, end) of an op, or, for kLinear, output panels [begin, end) of every row.
 void run_range(const int64_t* params, int64_t begin, int64_t end) {
   Call c{params};
-  if (params[kOp] == kLinear)
+  if (params[kOp] == kLinear && params[kDtype] == 0)
+    mini_vllm_gemm::linear_panels(c.ptr<const float>(kX), params[kXStride], params[kRows], params[kInFeatures],
+                                  c.ptr<const float>(kWeight), c.ptr<const float>(kBias), c.ptr<float>(kOut),
+                                  params[kWidth], begin, end);
+  else if (params[kOp] == kLinear)
     mini_vllm_gemm::linear_panels(c.ptr<const uint16_t>(kX), params[kXStride], params[kRows], params[kInFeatures],
                                   c.ptr<const uint16_t>(kWeight), c.ptr<const float>(kBias), c.ptr<uint16_t>(kOut),
                                   params[kWidth], begin, end);

@@ -1,9 +1,9 @@
-"""The C++ bf16 linear layer (kernels/csrc/cpu_gemm_bf16.h), as the engine's layers call it
-through `mini_vllm.models.cpu_ops.linear`.
+"""The C++ linear layer (kernels/csrc/cpu_gemm.h), bf16 and fp32, as the engine's layers
+call it through `mini_vllm.models.cpu_ops.linear`.
 
-Oracles: the exact (fp64) product of the same bf16 operands, which every output must be
-within the fp32-sum-and-one-rounding bound of; and torch's fp32 product rounded to bf16,
-which the kernel differs from only in the order of the fp32 sum, so rarely.
+Oracles: the exact (fp64) product of the same operands, which every output must be within
+the fp32-sum (and, in bf16, one-rounding) bound of; and in bf16 torch's fp32 product
+rounded to bf16, which the kernel differs from only in the order of the fp32 sum, so rarely.
 Then what the engine relies on: a row's bits do not depend on the rows beside it or on
 how the output's panels are split between threads (batch invariance), the packed copy
 follows the weight, and shapes the kernel does not take go to oneDNN, still correct.
@@ -19,7 +19,7 @@ from mini_vllm.models.linear import ColumnParallelLinear
 from kernel_cases import torch_threads
 
 pytestmark = pytest.mark.skipif(
-    not native.handles(torch.bfloat16),
+    not (native.handles(torch.bfloat16) and native.handles(torch.float32)),
     reason=f"the C++ kernels do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
 
 # Summation order moves a value near a rounding boundary: 2 in 10,000 outputs differed
@@ -27,18 +27,18 @@ pytestmark = pytest.mark.skipif(
 MAX_FRACTION = 1e-3
 
 
-def _layer(n_in: int, n_out: int, bias: bool, seed: int = 0) -> ColumnParallelLinear:
+def _layer(n_in: int, n_out: int, bias: bool, seed: int = 0, dtype=torch.bfloat16) -> ColumnParallelLinear:
     g = torch.Generator().manual_seed(seed)
     layer = ColumnParallelLinear(n_in, n_out, bias=bias)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in ** 0.5)
         if bias:
             layer.bias.copy_(torch.randn(n_out, generator=g))
-    return layer.to(torch.bfloat16)
+    return layer.to(dtype)
 
 
-def _x(rows: int, n_in: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(rows, n_in, generator=torch.Generator().manual_seed(seed)).bfloat16()
+def _x(rows: int, n_in: int, seed: int = 1, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(rows, n_in, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def _oracle(layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _uses_the_kernel(layer) -> bool:
 
 def _within_the_rounding_bound(layer, x, got) -> float:
     """The largest |got - exact| over its bound: the fp32 sum's order error (at most
-    (K + 1) * 2^-24 * sum |x w| + |b|) plus one bf16 rounding (2^-8 of the result).
+    (K + 1) * 2^-24 * sum |x w| + |b|) plus, in bf16, one rounding (2^-8 of the result).
     Where the bias cancels the sum, one fp32 ulp of the sum is many bf16 steps of the
     small result, so a count of steps is no bound there; this is."""
     w = layer.weight.double()
@@ -71,28 +71,30 @@ def _within_the_rounding_bound(layer, x, got) -> float:
     if layer.bias is not None:
         exact, scale = exact + layer.bias.double(), scale + layer.bias.double().abs()
     order = (x.shape[-1] + 1) * 2.0 ** -24 * scale
-    bound = order + 2.0 ** -8 * (exact.abs() + order)
+    bound = order + (2.0 ** -8 if got.dtype == torch.bfloat16 else 0.0) * (exact.abs() + order)
     return float(((got.double() - exact).abs() / bound).max())
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 130])
 @pytest.mark.parametrize("n_in,n_out,bias", [(2, 64, True), (64, 96, False), (1030, 256, True), (1024, 512, False)])
-def test_bf16_linear_matches_the_fp32_product(rows, n_in, n_out, bias):
-    layer, x = _layer(n_in, n_out, bias), _x(rows, n_in)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_matches_the_exact_product(rows, n_in, n_out, bias, dtype):
+    layer, x = _layer(n_in, n_out, bias, dtype=dtype), _x(rows, n_in, dtype=dtype)
     got = _run(layer, x)
-    assert _uses_the_kernel(layer), "a bf16 layer of N % 32 == 0 and even K must run the C++ kernel here"
+    assert _uses_the_kernel(layer), f"a {dtype} layer of N % 32 == 0 (and even K) must run the C++ kernel here"
     ratio = _within_the_rounding_bound(layer, x, got)
-    fraction = _steps(got, _oracle(layer, x))[1]
+    fraction = _steps(got, _oracle(layer, x))[1] if dtype == torch.bfloat16 else 0.0
     assert ratio <= 1 and fraction <= MAX_FRACTION, (
-        f"rows={rows} K={n_in} N={n_out} bias={bias}: an output is {ratio:.2f}x its rounding bound from the exact "
-        f"product and {fraction:.2%} differ from torch's fp32 product (a half-panel, a tail tile, a pair of inputs "
-        "or the bias computed wrong)")
+        f"{dtype} rows={rows} K={n_in} N={n_out} bias={bias}: an output is {ratio:.2f}x its rounding bound from the "
+        f"exact product and {fraction:.2%} differ from torch's fp32 product rounded to bf16 (a half-panel, a tail "
+        "tile, an input (pair) or the bias computed wrong)")
 
 
-def test_bf16_linear_gives_every_row_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_gives_every_row_the_same_bits_in_any_batch(dtype):
     """Rows are computed in tiles of 8 and chunks that fit L2: a row in the tail tile, in a
     full tile or alone must come out the same. All 130 rows against each computed alone."""
-    layer, x = _layer(2048, 256, bias=True, seed=2), _x(130, 2048, seed=3)
+    layer, x = _layer(2048, 256, bias=True, seed=2, dtype=dtype), _x(130, 2048, seed=3, dtype=dtype)
     together = _run(layer, x)
     for i in range(130):
         alone = _run(layer, x[i:i + 1])
@@ -101,11 +103,12 @@ def test_bf16_linear_gives_every_row_the_same_bits_in_any_batch():
             "row count, so a request's tokens would depend on its batch")
 
 
-def test_two_threads_give_one_threads_bits(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_threads_give_one_threads_bits(monkeypatch, dtype):
     """Threads split the output's panels; each output is computed the same whichever thread
     does it. 300 rows x 40 panels, the split forced for every call."""
     monkeypatch.setattr(native, "SPLIT_MACS", 1)
-    layer, x = _layer(256, 1280, bias=True), _x(300, 256)
+    layer, x = _layer(256, 1280, bias=True, dtype=dtype), _x(300, 256, dtype=dtype)
     with torch_threads(1):
         one = _run(layer, x)
     with torch_threads(2):
@@ -114,21 +117,23 @@ def test_two_threads_give_one_threads_bits(monkeypatch):
     assert _within_the_rounding_bound(layer, x, two) <= 1, "the split computed wrong outputs"
 
 
-def test_strided_and_batched_inputs():
-    layer = _layer(64, 96, bias=True)
-    wide = _x(10, 100)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_strided_and_batched_inputs(dtype):
+    layer = _layer(64, 96, bias=True, dtype=dtype)
+    wide = _x(10, 100, dtype=dtype)
     rows = wide[:, 20:84]  # a row stride of 100, not 64
     torch.testing.assert_close(_run(layer, rows), _run(layer, rows.contiguous()), rtol=0, atol=0,
                                msg="x's row stride was ignored")
-    x3 = _x(12, 64).view(3, 4, 64)
+    x3 = _x(12, 64, dtype=dtype).view(3, 4, 64)
     got = _run(layer, x3)
     assert got.shape == (3, 4, 96), f"a [3, 4, 64] input gave {tuple(got.shape)}"
     torch.testing.assert_close(got.view(12, 96), _run(layer, x3.reshape(12, 64)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("n_in,n_out", [(64, 40), (63, 64)])
-def test_shapes_the_kernel_does_not_take_go_to_onednn(n_in, n_out):
-    layer, x = _layer(n_in, n_out, bias=True), _x(5, n_in)
+@pytest.mark.parametrize("n_in,n_out,dtype", [(64, 40, torch.bfloat16), (63, 64, torch.bfloat16),
+                                              (64, 40, torch.float32)])
+def test_shapes_the_kernel_does_not_take_go_to_onednn(n_in, n_out, dtype):
+    layer, x = _layer(n_in, n_out, bias=True, dtype=dtype), _x(5, n_in, dtype=dtype)
     got = _run(layer, x)
     assert not _uses_the_kernel(layer), f"K={n_in} N={n_out} needs whole panels of 32 and pairs of inputs"
     assert _within_the_rounding_bound(layer, x, got) <= 1, "oneDNN's fallback computed wrong outputs"
@@ -148,12 +153,17 @@ def test_the_packed_weight_follows_writes_and_the_kernel_switch():
 
 
 def test_pack_layout():
-    """Panel p, pair kp holds [column c][t] = W[32p + c][2kp + t] (csrc/cpu_gemm_bf16.h)."""
-    w = torch.arange(64 * 6, dtype=torch.float32).view(64, 6).bfloat16()
-    packed = native.pack_linear_weight(w)
+    """bf16: panel p, pair kp holds [column c][t] = W[32p + c][2kp + t]; fp32: panel p, input
+    k holds [column c] = W[32p + c][k] (csrc/cpu_gemm.h)."""
+    w = torch.arange(64 * 6, dtype=torch.float32).view(64, 6)
+    packed = native.pack_linear_weight(w.bfloat16())
     assert packed.shape == (2, 3, 32, 2)
     for p, kp, c, t in [(0, 0, 0, 1), (1, 2, 31, 0), (1, 0, 5, 1), (0, 2, 17, 0)]:
-        assert packed[p, kp, c, t] == w[32 * p + c, 2 * kp + t], f"packed[{p}, {kp}, {c}, {t}] is misplaced"
+        assert packed[p, kp, c, t] == w[32 * p + c, 2 * kp + t], f"bf16 packed[{p}, {kp}, {c}, {t}] is misplaced"
+    packed = native.pack_linear_weight(w)
+    assert packed.shape == (2, 6, 32)
+    for p, k, c in [(0, 0, 1), (1, 5, 31), (1, 2, 0)]:
+        assert packed[p, k, c] == w[32 * p + c, k], f"fp32 packed[{p}, {k}, {c}] is misplaced"
 
 
 def test_compiled_op_runs_the_same_kernel():

@@ -1,0 +1,154 @@
+// A linear layer, out = x @ W.T (+ bias), in bf16 on AVX512_BF16's VDPBF16PS (and in fp32 on
+// FMA), over a weight packed once into panels of 32 output columns. Included by cpu_layer_ops.cpp, whose
+// parameter block and thread split it shares (op kLinear).
+//
+// vLLM counterpart: csrc/cpu/sgl-kernels/gemm.cpp (`convert_weight_packed`,
+// `weight_packed_linear`), the packed bf16 GEMM vLLM's CPU build takes for small weights;
+// its larger ones go to oneDNN, as this project's did before this file.
+//
+// Why not oneDNN: on a decode step (1 to 16 rows) oneDNN's bf16 matmul read the weight at
+// 7-12 GB/s on one Zen 4 core, where the core streams 20-22 GB/s; this kernel reads it at
+// 20-30 GB/s for 1 row and keeps oneDNN's rate (210-220 GFLOP/s) on a 1,259-token prefill
+// (benchmarks/bench_engine_layer_ops.py). And a single kernel for every row count keeps the
+// engine batch invariant: choosing a kernel by row count would not.
+//
+// Layout of the packed bf16 weight (cpu_layer_ops_native.pack_linear_weight makes it with
+// torch): panel p (output columns 32p..32p+31), pair kp (inputs 2kp, 2kp+1) holds 64 bf16,
+// [column c][t] = W[32p + c][2kp + t], so that one 64-byte load is the pair for 16 columns,
+// the operand VDPBF16PS multiplies by a broadcast pair of one row of x.
+//
+// Invariants (what the tests hold it to):
+// * an output element is the same instruction sequence whatever rows share the call or
+//   however panels are split between threads: zero, then VDPBF16PS over kp = 0..K/2-1 in
+//   order (fp32: FMA over k = 0..K-1), then + bias in fp32, then (bf16) one rounding to
+//   nearest even. So a row's bits do not depend on its batch;
+// * N is a multiple of 32, and in bf16 K of 2 (the caller falls back to oneDNN otherwise);
+//   x's rows may have any stride, out is [rows, N] contiguous.
+#pragma once
+
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+namespace mini_vllm_gemm {
+
+constexpr int64_t kPanelColumns = 32;
+constexpr int kTileRows = 8;  // 16 accumulators + 2 weight registers + 1 broadcast of 32
+// Rows of x taken per pass over the panels: enough to fill about a quarter of L2, so the
+// rows stay there while every panel streams past them once.
+constexpr int64_t kChunkBytes = 512 * 1024;
+
+// R rows of x (R <= kTileRows) times one panel: 32 output columns of each row.
+template <int R>
+inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint16_t* panel,
+                 const float* bias, uint16_t* out, int64_t out_stride) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_setzero_ps();
+    hi[r] = _mm512_setzero_ps();
+  }
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(panel + kp * 64);
+    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(panel + kp * 64 + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;  // inputs 2kp and 2kp+1 of row r (memcpy: x's rows need no alignment)
+      std::memcpy(&pair, x + r * x_stride + 2 * kp, sizeof pair);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      lo[r] = _mm512_dpbf16_ps(lo[r], b, w_lo);
+      hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);
+    }
+  }
+  if (bias) {  // without one, no add: 0 + (-0) would turn a -0 sum into +0
+    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_add_ps(lo[r], b_lo);
+      hi[r] = _mm512_add_ps(hi[r], b_hi);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(lo[r]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + 16), (__m256i)_mm512_cvtneps_pbh(hi[r]));
+  }
+}
+
+// The fp32 tile: the same shape with one input per step (FMA), over a panel laid out
+// [k][column c] = W[32p + c][k]. For fp32 oneDNN's products were the same bits; this one
+// is cheaper to call (a 16-row, 256 x 512 product: 43 against 88 us on one Zen 4 core).
+template <int R>
+inline void tile(const float* x, int64_t x_stride, int64_t steps, const float* panel, const float* bias,
+                 float* out, int64_t out_stride) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_setzero_ps();
+    hi[r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < steps; ++k) {
+    const __m512 w_lo = _mm512_loadu_ps(panel + k * 32), w_hi = _mm512_loadu_ps(panel + k * 32 + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * x_stride + k]);
+      lo[r] = _mm512_fmadd_ps(b, w_lo, lo[r]);
+      hi[r] = _mm512_fmadd_ps(b, w_hi, hi[r]);
+    }
+  }
+  if (bias) {
+    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_add_ps(lo[r], b_lo);
+      hi[r] = _mm512_add_ps(hi[r], b_hi);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * out_stride, lo[r]);
+    _mm512_storeu_ps(out + r * out_stride + 16, hi[r]);
+  }
+}
+
+// Inputs per step of the k loop: a bf16 pair, or one fp32.
+template <typename T> constexpr int64_t kStep = sizeof(T) == 2 ? 2 : 1;
+
+template <typename T>
+inline void run_tile(int64_t n, const T* x, int64_t x_stride, int64_t steps, const T* panel, const float* bias,
+                     T* out, int64_t out_stride) {
+  switch (n) {  // n = 1..kTileRows rows
+    case 1: tile<1>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 2: tile<2>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 3: tile<3>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 4: tile<4>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 5: tile<5>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 6: tile<6>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    case 7: tile<7>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    default: tile<8>(x, x_stride, steps, panel, bias, out, out_stride); break;
+  }
+}
+
+// Panels [panel_begin, panel_end) of out = x @ W.T + bias for all `rows` rows, T = float or
+// bf16 bits (uint16_t). bias is fp32 (the caller widens a bf16 one) or null.
+template <typename T>
+inline void linear_panels(const T* x, int64_t x_stride, int64_t rows, int64_t in_features, const T* packed,
+                          const float* bias, T* out, int64_t out_features, int64_t panel_begin, int64_t panel_end) {
+  const int64_t steps = in_features / kStep<T>;
+  int64_t chunk = kChunkBytes / (int64_t(sizeof(T)) * in_features) / kTileRows * kTileRows;
+  if (chunk < kTileRows) chunk = kTileRows;
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t c1 = c0 + chunk < rows ? c0 + chunk : rows;
+    for (int64_t p = panel_begin; p < panel_end; ++p) {
+      const T* panel = packed + p * in_features * kPanelColumns;
+      const float* panel_bias = bias ? bias + p * kPanelColumns : nullptr;
+      for (int64_t r = c0; r < c1; r += kTileRows) {
+        const int64_t n = c1 - r < kTileRows ? c1 - r : kTileRows;
+        run_tile<T>(n, x + r * x_stride, x_stride, steps, panel, panel_bias, out + r * out_features + p * kPanelColumns,
+                    out_features);
+      }
+    }
+  }
+}
+
+}  // namespace mini_vllm_gemm
