@@ -125,7 +125,7 @@ PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() e
 
 
 def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
-    """The packed copy of `weight` for the C++ bf16 kernel (`native`) or for oneDNN, cached
+    """The packed copy of `weight` for the C++ kernel (`native`) or for oneDNN, cached
     in `owner._packed` (a field every layer that calls `linear` declares) until the weight
     changes or the other kernel is asked for (the tests switch the C++ kernels off)."""
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), native)
@@ -142,7 +142,7 @@ def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
-    """x @ weight.T (+ bias) on a packed weight: the C++ bf16 kernel where it takes the
+    """x @ weight.T (+ bias) on a packed weight: the C++ kernel where it takes the
     shapes (`native_ops.handles_linear`), else oneDNN. Which one depends on the layer and the
     CPU, never on the number of rows (see Batch invariance above)."""
     if native_ops.handles_linear(x, weight):
