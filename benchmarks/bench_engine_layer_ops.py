@@ -30,6 +30,7 @@ Run: .venv/bin/python benchmarks/bench_engine_layer_ops.py [--threads 1,2]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -137,15 +138,12 @@ def linear_rows(tokens: int) -> list[tuple[str, float, float, float, float]]:
 
         def run(native_on: bool):
             layers = sides[native_on]
+            kernels = contextlib.nullcontext if native_on else cpu_native.numba_only  # C++ kernels off: oneDNN
 
             def call():
-                if native_on:
+                with kernels():
                     for layer in layers:
                         cpu_ops.linear(h, layer.weight, None, layer)
-                else:
-                    with cpu_native.numba_only():  # the C++ kernels off: oneDNN
-                        for layer in layers:
-                            cpu_ops.linear(h, layer.weight, None, layer)
             return call
 
         with torch.inference_mode():

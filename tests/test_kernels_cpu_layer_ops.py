@@ -413,7 +413,7 @@ def test_onednn_linear_matches_f_linear(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * 8,
                                msg="the packed linear must compute x @ W.T + b")
-    packed = getattr(layer, "_packed", None) is not None
+    packed = layer._packed is not None
     if cpu_ops._AVAILABLE and dtype in cpu_ops.PACKABLE:
         assert packed, "fp32 (and bf16 where the CPU packs it) CPU inference must use the packed weight"
     else:  # e.g. bf16 on an AVX2-only CPU, where oneDNN's bf16 reorder raises
@@ -463,7 +463,7 @@ def test_a_weight_made_under_inference_mode_takes_f_linear():
         layer = _column(16, 24, bias=True)
         x = torch.randn(3, 16)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
-    assert getattr(layer, "_packed", None) is None, "an inference-mode weight was packed"
+    assert layer._packed is None, "an inference-mode weight was packed"
 
 
 def test_row_parallel_and_tied_lm_head_use_the_same_dispatch():

@@ -1,14 +1,14 @@
-// A linear layer, out = x @ W.T (+ bias), in bf16 on AVX512_BF16's VDPBF16PS (and in fp32 on
-// FMA), over a weight packed once into panels of 32 output columns. Included by cpu_layer_ops.cpp, whose
-// parameter block and thread split it shares (op kLinear).
+// A linear layer, out = x @ W.T (+ bias), in bf16 on AVX512_BF16's VDPBF16PS (and in fp32
+// on FMA), over a weight packed once into panels of 32 output columns. Included by
+// cpu_layer_ops.cpp, whose parameter block and thread split it shares (op kLinear).
 //
 // vLLM counterpart: csrc/cpu/sgl-kernels/gemm.cpp (`convert_weight_packed`,
 // `weight_packed_linear`), the packed bf16 GEMM vLLM's CPU build takes for small weights;
 // its larger ones go to oneDNN, as this project's did before this file.
 //
 // Why not oneDNN: on a decode step (1 to 16 rows) oneDNN's bf16 matmul read the weight at
-// 7-12 GB/s on one Zen 4 core, where the core streams 20-22 GB/s; this kernel reads it at
-// 20-30 GB/s for 1 row and keeps oneDNN's rate (210-220 GFLOP/s) on a 1,259-token prefill
+// 9-14 GB/s on one Zen 4 core, where the core streams 20-23 GB/s; this kernel reads it at
+// 18-24 GB/s for 1 row and keeps oneDNN's rate (210-220 GFLOP/s) on a 1,259-token prefill
 // (benchmarks/bench_engine_layer_ops.py). And a single kernel for every row count keeps the
 // engine batch invariant: choosing a kernel by row count would not.
 //
@@ -38,16 +38,48 @@ constexpr int kTileRows = 8;  // 16 accumulators + 2 weight registers + 1 broadc
 // rows stay there while every panel streams past them once.
 constexpr int64_t kChunkBytes = 512 * 1024;
 
-// R rows of x (R <= kTileRows) times one panel: 32 output columns of each row.
+// A tile's accumulators are R rows x 32 columns in 2R registers: zeroed by `clear`, and
+// after the last step given the bias and written out by `finish`, the same for both dtypes.
 template <int R>
-inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint16_t* panel,
-                 const float* bias, uint16_t* out, int64_t out_stride) {
-  __m512 lo[R], hi[R];
+inline void clear(__m512* lo, __m512* hi) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm512_setzero_ps();
     hi[r] = _mm512_setzero_ps();
   }
+}
+
+inline void store_row(float* out, __m512 lo, __m512 hi) {
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
+}
+
+inline void store_row(uint16_t* out, __m512 lo, __m512 hi) {  // one rounding, to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+}
+
+template <int R, typename T>
+inline void finish(__m512* lo, __m512* hi, const float* bias, T* out, int64_t out_stride) {
+  if (bias) {  // without one, no add: 0 + (-0) would turn a -0 sum into +0
+    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_add_ps(lo[r], b_lo);
+      hi[r] = _mm512_add_ps(hi[r], b_hi);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store_row(out + r * out_stride, lo[r], hi[r]);
+}
+
+// R rows of x (R <= kTileRows) times one panel: 32 output columns of each row. bf16: a
+// step is a pair of inputs, [pair][column][2] in the panel (VDPBF16PS).
+template <int R>
+inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint16_t* panel,
+                 const float* bias, uint16_t* out, int64_t out_stride) {
+  __m512 lo[R], hi[R];
+  clear<R>(lo, hi);
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(panel + kp * 64);
     const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(panel + kp * 64 + 32);
@@ -60,33 +92,17 @@ inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint1
       hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);
     }
   }
-  if (bias) {  // without one, no add: 0 + (-0) would turn a -0 sum into +0
-    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      lo[r] = _mm512_add_ps(lo[r], b_lo);
-      hi[r] = _mm512_add_ps(hi[r], b_hi);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(lo[r]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + 16), (__m256i)_mm512_cvtneps_pbh(hi[r]));
-  }
+  finish<R>(lo, hi, bias, out, out_stride);
 }
 
-// The fp32 tile: the same shape with one input per step (FMA), over a panel laid out
-// [k][column c] = W[32p + c][k]. For fp32 oneDNN's products were the same bits; this one
-// is cheaper to call (a 16-row, 256 x 512 product: 43 against 88 us on one Zen 4 core).
+// fp32: a step is one input, [k][column] in the panel (FMA). oneDNN's products were the
+// same bits for K = 256; this one is cheaper to call (16 rows of 256 x 512: 43 against
+// 88 us on one Zen 4 core).
 template <int R>
 inline void tile(const float* x, int64_t x_stride, int64_t steps, const float* panel, const float* bias,
                  float* out, int64_t out_stride) {
   __m512 lo[R], hi[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    lo[r] = _mm512_setzero_ps();
-    hi[r] = _mm512_setzero_ps();
-  }
+  clear<R>(lo, hi);
   for (int64_t k = 0; k < steps; ++k) {
     const __m512 w_lo = _mm512_loadu_ps(panel + k * 32), w_hi = _mm512_loadu_ps(panel + k * 32 + 16);
 #pragma GCC unroll 8
@@ -96,19 +112,7 @@ inline void tile(const float* x, int64_t x_stride, int64_t steps, const float* p
       hi[r] = _mm512_fmadd_ps(b, w_hi, hi[r]);
     }
   }
-  if (bias) {
-    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      lo[r] = _mm512_add_ps(lo[r], b_lo);
-      hi[r] = _mm512_add_ps(hi[r], b_hi);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * out_stride, lo[r]);
-    _mm512_storeu_ps(out + r * out_stride + 16, hi[r]);
-  }
+  finish<R>(lo, hi, bias, out, out_stride);
 }
 
 // Inputs per step of the k loop: a bf16 pair, or one fp32.

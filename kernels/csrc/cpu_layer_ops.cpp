@@ -25,8 +25,9 @@
 // they agree to a few fp32 ulps, as the tests bound).
 //
 // Invariants: rows [begin, end) of a call depend only on those rows (a linear's panels only
-// on theirs), so any split between threads gives the same bits; positions are checked against the table before any row is
-// written (mini_vllm_layer_op returns an error instead of reading outside it).
+// on theirs), so any split between threads gives the same bits; positions are checked
+// against the table before any row is written (mini_vllm_layer_op returns an error instead
+// of reading outside it).
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -275,21 +276,22 @@ void run_rows(const Call& c, int64_t begin, int64_t end) {
   }
 }
 
+// Output panels [begin, end) of a kLinear call, every row.
+template <typename T>
+void run_panels(const Call& c, int64_t begin, int64_t end) {
+  mini_vllm_gemm::linear_panels(c.ptr<const T>(kX), c.p[kXStride], c.p[kRows], c.p[kInFeatures],
+                                c.ptr<const T>(kWeight), c.ptr<const float>(kBias), c.ptr<T>(kOut), c.p[kWidth],
+                                begin, end);
+}
+
 // Rows [begin, end) of an op, or, for kLinear, output panels [begin, end) of every row.
 void run_range(const int64_t* params, int64_t begin, int64_t end) {
   Call c{params};
-  if (params[kOp] == kLinear && params[kDtype] == 0)
-    mini_vllm_gemm::linear_panels(c.ptr<const float>(kX), params[kXStride], params[kRows], params[kInFeatures],
-                                  c.ptr<const float>(kWeight), c.ptr<const float>(kBias), c.ptr<float>(kOut),
-                                  params[kWidth], begin, end);
-  else if (params[kOp] == kLinear)
-    mini_vllm_gemm::linear_panels(c.ptr<const uint16_t>(kX), params[kXStride], params[kRows], params[kInFeatures],
-                                  c.ptr<const uint16_t>(kWeight), c.ptr<const float>(kBias), c.ptr<uint16_t>(kOut),
-                                  params[kWidth], begin, end);
-  else if (params[kDtype] == 0)
-    run_rows<float>(c, begin, end);
+  const bool fp32 = params[kDtype] == 0;
+  if (params[kOp] == kLinear)
+    fp32 ? run_panels<float>(c, begin, end) : run_panels<uint16_t>(c, begin, end);
   else
-    run_rows<uint16_t>(c, begin, end);
+    fp32 ? run_rows<float>(c, begin, end) : run_rows<uint16_t>(c, begin, end);
 }
 
 // What threads split: rows, or a linear's output panels (each needs every row of x).
