@@ -16,7 +16,8 @@ the first 64 requests run through both with logprobs and must agree token for
 token (up to vLLM's own near-ties, see vllm_diff.py); every timed run then also
 counts how many of the 256 requests came out identical. Reported per thread
 count: the median [min-max] over `--runs` runs of each engine, the spread
-(max / min), and mini-vLLM / vLLM output tok/s from the medians.
+(max / min), each run's time in the order they ran, and mini-vLLM / vLLM output
+tok/s from the medians.
 
 Baselines at the first thread count (`--skip-baselines` leaves them out): HF
 static batches of size 1, 8 and 32 (left padded; a batch runs until its longest
@@ -128,7 +129,7 @@ def max_logprob_diff(want: dict, got: dict) -> float:
 def summary(times: list[float], useful: int) -> str:
     med = statistics.median(times)
     return (f"{med:6.1f} s [{min(times):.1f}-{max(times):.1f}]  {useful / med:7.1f} tok/s  "
-            f"spread {max(times) / min(times):.2f}x")
+            f"spread {max(times) / min(times):.2f}x  runs in order: {', '.join(f'{t:.1f}' for t in times)}")
 
 
 MODES = {"process": dict(multiprocess_mode=True), "inproc": dict(multiprocess_mode=False),
