@@ -308,4 +308,12 @@ MUTANTS: list[Mutant] = [
         tests=["tests/test_kernels_cpu_gemm.py::test_linear_gives_every_row_the_same_bits_in_any_batch"],
         why="small batches take the C++ kernel and large ones oneDNN: a request's tokens depend on its batch",
     ),
+    Mutant(
+        name="greedy_verify_emits_the_bonus_row",
+        path="05_mini_vllm/speculative/verifier.py",
+        old="out.append(list(d[:n]) + [best[row + n]])",
+        new="out.append(list(d[:n]) + [best[row + len(d)]])",
+        tests=["tests/test_ch5_spec_decode.py::test_greedy_verification_gives_the_rejection_samplers_tokens"],
+        why="after a rejected draft the greedy path emits the bonus row's argmax, not the rejected row's",
+    ),
 ]

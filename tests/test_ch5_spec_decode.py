@@ -284,6 +284,44 @@ def test_verification_filters_with_the_engine_sampler():
         "greedy verification: accept draft 0 (the argmax), reject draft 1, emit the argmax"
 
 
+def test_greedy_verification_gives_the_rejection_samplers_tokens():
+    """An all-greedy batch is verified by one argmax per row (vLLM's shortcut), not by
+    Chapter 4's rejection sampler; both must emit the same tokens and count the same
+    accepted drafts, for drafts that match for 0..k positions."""
+    from mini_vllm.sample.metadata import SamplingMetadata
+    from mini_vllm.spec_decode import PLACEHOLDER_TOKEN_ID, SpecDecodeMetadata
+    from mini_vllm.speculative.verifier import SpecVerifier
+
+    g = torch.Generator().manual_seed(0)
+    ks, vocab = [3, 3, 3, 3, 1, 2], 50
+    logits = torch.randn(sum(k + 1 for k in ks), vocab, generator=g)
+    best = logits.argmax(-1).tolist()
+    drafts, row = [], 0
+    for i, k in enumerate(ks):  # request i's drafts match the argmax for its first min(i, k) positions
+        d = [best[row + j] if j < i else (best[row + j] + 1) % vocab for j in range(k)]
+        drafts.append(d)
+        row += k + 1
+    params = [SamplingParams(temperature=0)] * len(ks)
+    md = SamplingMetadata.from_params(params, [[1]] * len(ks), [[]] * len(ks), [None] * len(ks), [None] * len(ks),
+                                      vocab_size=vocab)
+    fast = SpecVerifier("cpu")
+    got = fast.verify(logits, drafts, md)
+    slow = SpecVerifier("cpu")
+    out = slow.sampler(SpecDecodeMetadata.make(drafts, logits.device), None, logits, md, md.generators).tolist()
+    want = [[t for t in r if t != PLACEHOLDER_TOKEN_ID] for r in out]
+    assert got == want, "greedy verification must emit the rejection sampler's tokens: accepted drafts, " \
+                        "then the first rejected row's argmax (or the bonus row's)"
+    assert [len(e) - 1 for e in got] == [min(i, k) for i, k in enumerate(ks)], "accepted drafts miscounted"
+    for d, e in zip(drafts, want):
+        slow.totals.observe_draft(len(d), len(e) - 1)
+    assert fast.stats() == slow.stats(), "the greedy path must count drafts and accepted tokens as the sampler's"
+    tie = torch.zeros(2, vocab)
+    tie[:, [7, 3]] = 1.0  # two tokens tie at the top of both rows
+    assert fast.verify(tie, [[3]], SamplingMetadata.from_params(params[:1], [[1]], [[]], [None], [None],
+                                                                vocab_size=vocab)) == [[3, 3]], \
+        "on a tie the greedy path takes the first index, as the engine sampler's greedy_argmax does"
+
+
 @pytest.mark.parametrize("cfg, err, match", [
     ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
     ({"method": "medusa", "num_speculative_tokens": 2}, ValueError, "method"),
