@@ -326,8 +326,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_decode_item_first_kv_head_only",
         path=NATIVE,
-        old="item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch);",
-        new="item(a, i, 0, 1, h0, h0 + 1, scratch);",
+        old="item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch,",
+        new="item(a, i, 0, 1, h0, h0 + 1, scratch,",
         tests=NATIVE_TESTS,
         why="C++ kernel: a decode item of all KV heads computes only its first",
     ),
