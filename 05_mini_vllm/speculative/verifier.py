@@ -75,9 +75,6 @@ class SpecVerifier:
     def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingMetadata) -> list[list[int]]:
         """logits [sum(k_i + 1), V] in request order, `sampling` one row per request;
         returns the emitted tokens per request."""
-        rows = sum(len(d) + 1 for d in drafts)
-        if logits.dim() != 2 or logits.shape[0] != rows:
-            raise ValueError(f"logits must be [sum(k_i + 1) = {rows}, vocab], got {tuple(logits.shape)}")
         if bool(sampling.is_greedy.all()):
             emitted = self._verify_greedy(logits, drafts)
         else:
@@ -100,6 +97,9 @@ class SpecVerifier:
         tensor ops) where this takes a few microseconds. The argmax is the engine
         sampler's (`greedy_argmax`: first index on a tie), so a greedy request gets the
         same token whether a step verifies drafts or samples plainly."""
+        rows = sum(len(d) + 1 for d in drafts)  # the rejection sampler checks this on its own path
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(f"logits must be [sum(k_i + 1) = {rows}, vocab], got {tuple(logits.shape)}")
         best = greedy_argmax(logits).tolist()
         out, row = [], 0
         for d in drafts:

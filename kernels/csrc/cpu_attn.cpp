@@ -542,6 +542,12 @@ void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t
   }
 }
 
+// Whether sequence i's item is a decode of decode_heads KV heads (the plan gives a single
+// query token one item of several heads when decode_heads > 0).
+inline bool decode_item(const Args& a, int64_t i) {
+  return a.cu_seqlens[i + 1] - a.cu_seqlens[i] == 1 && a.decode_heads > 0;
+}
+
 // Where item `it` starts reading, if it is a decode: what decode_block_major prefetches
 // last. A decode sees every key below its sequence's length.
 template <class E>
@@ -549,7 +555,7 @@ FirstBlock<E> first_block(const Args& a, int64_t it) {
   FirstBlock<E> f;
   if (it < 0 || it >= a.num_items) return f;
   const int64_t j = a.item_seq[it];
-  if (a.cu_seqlens[j + 1] - a.cu_seqlens[j] != 1 || a.decode_heads == 0) return f;
+  if (!decode_item(a, j)) return f;
   const Seq<E> sq(a, j);
   f.keys = sq.keys(sq.table[0], a.item_h0[it]);
   f.values = sq.values(sq.table[0], a.item_h0[it]);
@@ -645,7 +651,7 @@ void mini_vllm_attn_worker(const int64_t* params, int64_t w) {
     const auto item = a.dtype == kBf16 ? attend_item<Bf16> : attend_item<Fp32>;
     const auto tile = a.dtype == kBf16 ? attend_tile<Bf16> : attend_tile<Fp32>;
     const int64_t t1 = t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len;
-    if (q_len == 1 && a.decode_heads > 0)
+    if (decode_item(a, i))
       // The counter now holds the item handed out next: this thread's, unless another takes
       // it first (then the prefetch was wasted, never wrong: it reads only readable slots).
       item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch, __atomic_load_n(a.counter, __ATOMIC_RELAXED));
