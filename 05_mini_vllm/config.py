@@ -12,6 +12,7 @@ at construction, each a ValueError that names the field and its allowed range:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -19,6 +20,8 @@ import torch
 from mini_vllm.attention.backends import BACKEND_NAMES
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
+
+logger = logging.getLogger("mini_vllm")
 
 # vLLM's `LogprobsMode` (vllm/config/model.py): what a request's logprobs describe.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -132,9 +135,10 @@ class EngineConfig:
         # lookup may find fewer drafts or none (vLLM 0.32 refuses its CPU n-gram too). EAGLE
         # runs synchronously here for now: its pass 1 needs the step's tokens on the host.
         # A batch-size schedule of draft lengths (num_speculative_tokens_per_batch_size) breaks
-        # that known length too.
+        # that known length too; the measured one ("auto", the default) gives way below.
         spec_ok = self.speculative is None or (self.speculative.method == "draft_model"
-                                               and self.speculative.num_speculative_tokens_per_batch_size is None)
+                                               and self.speculative.num_speculative_tokens_per_batch_size
+                                               in (None, "auto"))
         blockers = [(name, value) for name, value, ok in (
             ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
             ("speculative_config", self.speculative_config, spec_ok),
@@ -146,6 +150,14 @@ class EngineConfig:
             raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size; "
                              f"for speculative_config, method 'draft_model' without "
                              f"num_speculative_tokens_per_batch_size is allowed), got {value!r}")
+        if self.speculative is not None and self.speculative.num_speculative_tokens_per_batch_size == "auto" \
+                and (self.async_scheduling or self.tensor_parallel_size > 1):
+            # Both need every step's draft length known in advance (the scheduler's placeholders;
+            # ranks that would each measure their own schedule and disagree): vLLM's "always k".
+            logger.info("speculative decoding: k drafts at every batch size (%s); the measured schedule "
+                        "needs synchronous scheduling on one rank",
+                        "async_scheduling" if self.async_scheduling else "tensor_parallel_size > 1")
+            self.speculative.num_speculative_tokens_per_batch_size = None
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)

@@ -112,6 +112,7 @@ def main() -> None:
         spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                  "prompt_lookup_max": 4} if method == "ngram" else
                 {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k})
+        spec["num_speculative_tokens_per_batch_size"] = None  # k at every batch size, as the prediction assumes
         for batch in (1, 8):
             if method == "ngram":  # editing: (prompt, length of the rest of its function) pairs
                 ps = [p for p, _ in prompts[:batch]]

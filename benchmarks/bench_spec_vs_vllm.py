@@ -10,7 +10,8 @@ and n-gram lookup, in both engines, on held-out code (CPU, greedy, fp32).
    (k = 3, prompt_lookup 2..4), in the engine and in vLLM. Each configuration's tokens are
    compared with the run without speculation before its time counts; vLLM's with its own.
    Best of --runs runs. `--methods` picks the rows (the run without speculation is always
-   there: the speed-ups divide by it).
+   there: the speed-ups divide by it). With EAGLE chosen, a last row runs the engine's
+   default, the batch-size schedule it measures at start-up ("measured"; vLLM has none).
 
 Equal settings for both engines: block size 32, 64 MiB of KV cache, max_num_seqs 32,
 prefix caching off (each run repeats the same prompts), the same pinned cores. vLLM runs
@@ -48,15 +49,17 @@ def held_out_prompts(n: int, length: int = 64) -> list[list[int]]:
     return out
 
 
-def spec_config(method: str | None, k: int, per_batch_size: list | None = None) -> dict | None:
-    """`per_batch_size`: vLLM's num_speculative_tokens_per_batch_size, given to both engines."""
+def spec_config(method: str | None, k: int, per_batch_size: list | str | None = None) -> dict | None:
+    """`per_batch_size`: vLLM's num_speculative_tokens_per_batch_size, given to both engines; None
+    (vLLM's default, k at every batch size) is passed explicitly, since the engine's own default
+    is "auto", the schedule it measures at start-up, which vLLM lacks."""
     if method is None:
         return None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     else:
         spec = {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k}
-    return spec if per_batch_size is None else dict(spec, num_speculative_tokens_per_batch_size=per_batch_size)
+    return dict(spec, num_speculative_tokens_per_batch_size=per_batch_size)
 
 
 def mini_run(prompts, max_tokens: int, spec: dict | None, runs: int) -> tuple[float, list, dict | None]:
@@ -116,6 +119,8 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
                                    if m in chosen]
     if per_batch_size is not None:  # EAGLE again, with the batch-size schedule of draft lengths
         methods.append(("eagle", k, per_batch_size))
+    if "eagle" in chosen:  # and with the engine's default, the measured schedule (the engine only)
+        methods.append(("eagle", k, "auto"))
     print(f"{'batch':>6}{'method':>18}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
     for batch in batches:
         ps = prompts[:batch]
@@ -129,7 +134,7 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
                 raise SystemExit(f"engine {method} batch {batch}: tokens differ from no speculation")
             cell_m = f"{useful / t:8.1f} ({base['mini'][0] / t:.2f}x)"
             cell_v, ratio = "-", ""
-            if vllm_python() is not None:
+            if vllm_python() is not None and sched != "auto":
                 tv, toks_v, _ = vllm_run(ps, SPEED_TOKENS, spec_config(method, kk, sched), runs, threads)
                 if method is None:
                     base["vllm"] = (tv, toks_v)
@@ -137,7 +142,8 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
                     raise SystemExit(f"vLLM {method} batch {batch}: tokens differ from its own run without it")
                 cell_v = f"{useful / tv:8.1f} ({base['vllm'][0] / tv:.2f}x)"
                 ratio = f"{tv / t:.2f}"
-            name = "none" if method is None else f"{method} k={kk}" + (" dynamic" if sched else "")
+            name = "none" if method is None else f"{method} k={kk}" + (
+                " measured" if sched == "auto" else " dynamic" if sched else "")
             print(f"{batch:>6}{name:>18}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
 
 

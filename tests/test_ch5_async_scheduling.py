@@ -13,7 +13,7 @@ was scheduled before step N's update), which the batch queue fixes by
 construction."""
 import pytest
 
-from engine_utils import assert_pool_full, make_llm
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import model_path
 from mini_vllm.sampling_params import StructuredOutputsParams
@@ -252,7 +252,8 @@ def test_async_scheduling_refuses_what_it_cannot_do():
             make_llm(async_scheduling=True, **kw)
 
 
-DRAFT_SPEC = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3}
+DRAFT_SPEC = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3,
+              **ALWAYS_DRAFT}
 
 
 def _spec_params():

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_utils import assert_pool_full, make_llm, run_greedy
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, run_greedy
 from mini_vllm import SamplingParams
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.course.tiny_models import load_tiny_model, load_tiny_tokenizer, model_path
@@ -38,7 +38,7 @@ TARGET = model_path("tiny-py-target")
 
 
 def eagle(k: int, head: str = EAGLE) -> dict:
-    return {"method": "eagle", "model": head, "num_speculative_tokens": k}
+    return {"method": "eagle", "model": head, "num_speculative_tokens": k, **ALWAYS_DRAFT}
 
 
 def eagle_llm(chapter, k: int, per_batch_size=None, **kw):

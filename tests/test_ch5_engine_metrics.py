@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from engine_utils import make_llm
+from engine_utils import ALWAYS_DRAFT, make_llm
 from mini_vllm import SamplingParams
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -110,7 +110,7 @@ def test_prometheus_spec_decode_counters_match_the_verifier(method, async_schedu
     from mini_vllm.metrics.prometheus import PrometheusStatLogger
 
     k = 3
-    spec = {"method": method, "num_speculative_tokens": k}
+    spec = {"method": method, "num_speculative_tokens": k, **ALWAYS_DRAFT}
     if method == "draft_model":
         spec["model"] = str(model_path("tiny-py-draft"))
     prompts = ["def __init__(self, name, value=None):\n        self.name = name\n        self.value = ",

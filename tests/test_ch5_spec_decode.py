@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
 
-from engine_utils import assert_pool_full, make_llm, run_greedy
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, run_greedy
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
@@ -23,8 +23,10 @@ METHODS = ["ngram", "draft_model", "eagle"]
 
 def spec(method: str, k: int) -> dict:
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    return {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k}
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                **ALWAYS_DRAFT}
+    return {"method": method, "model": EAGLE if method == "eagle" else DRAFT, "num_speculative_tokens": k,
+            **ALWAYS_DRAFT}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine_utils import assert_pool_full, make_llm
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm
 from mini_vllm import SamplingParams
 from mini_vllm.sample.sampler import apply_token_bitmask, unpack_token_bitmask
 from mini_vllm.sampling_params import StructuredOutputsParams as SO
@@ -81,7 +81,8 @@ def test_speculative_decoding_serves_constrained_requests_without_drafts():
     so = SO(json=SCHEMA, disable_any_whitespace=True)
     sp = SamplingParams(max_tokens=48, temperature=0, structured_outputs=so)
     want = make_llm(block_size=8).generate(PROMPTS, sp, use_tqdm=False)
-    spec = make_llm(block_size=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = make_llm(block_size=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          **ALWAYS_DRAFT})
     got = spec.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want], (
         "speculative decoding changed the constrained greedy text: drafts slipped past the grammar or the bitmask "

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_utils import make_llm, target_path
+from engine_utils import ALWAYS_DRAFT, make_llm, target_path
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_tokenizer
 from server_utils import API_KEY, SERVED_NAME, Server, api_server  # noqa: F401 - a fixture
@@ -171,7 +171,7 @@ def test_spec_decode_series_on_metrics(api_server):
     plain = sorted({key[0] for key in _samples(api_server) if key[0].startswith("vllm:spec_decode_")})
     assert not plain, f"a server without speculation must not show speculative-decoding series: {plain}"
     k = 3
-    spec = {"method": "ngram", "num_speculative_tokens": k}
+    spec = {"method": "ngram", "num_speculative_tokens": k, **ALWAYS_DRAFT}
     prompts = ["import os\nimport sys\nimport re\nimport ", "for i in range(10):\n    print(i)\nfor j in range("]
     s = Server("--speculative-config", json.dumps(spec))
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_utils import ALWAYS_DRAFT
 from mini_vllm.course import tiny_models
 
 MARKER = "\n# unchanged copy:\n"
@@ -105,7 +106,7 @@ def test_prompt_lookup_pays_on_the_editor(tok, heldout_ids):
     plain = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
     want = plain.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
     spec = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, **ALWAYS_DRAFT,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     steps = 0
     step = spec.llm_engine.step

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_utils import make_llm, run_greedy
+from engine_utils import ALWAYS_DRAFT, make_llm, run_greedy
 from mini_vllm.course.tiny_models import model_path
 from tp_utils import wait_no_tp_children
 
@@ -18,7 +18,8 @@ def _prompts(vocab: int, seed: int):
 def test_speculative_decoding_with_a_replicated_draft_model_matches_tp1():
     """The draft model is not sharded (it is built outside the rank's group): every
     rank runs it whole; rank 0's drafts reach all ranks through the SchedulerOutput."""
-    spec = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 3,
+            **ALWAYS_DRAFT}
     prompts = _prompts(6144, 5)
     ref = run_greedy(make_llm(block_size=8), prompts, 16)
     two = make_llm(block_size=8, tensor_parallel_size=2, speculative_config=spec)

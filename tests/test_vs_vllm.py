@@ -25,6 +25,7 @@ from vllm_side import (MISSING, request, request_result, run_mini, run_vllm_jobs
                        vllm_python)
 from vllm_diff import compare_phase, compare_prompt_logprobs  # noqa: E402
 
+from engine_utils import ALWAYS_DRAFT  # noqa: E402
 from mini_vllm.course.tiny_models import model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason=MISSING)
@@ -135,7 +136,8 @@ def prefix_phases() -> list[dict]:
             {"name": "shared-prefix", "requests": shared}]
 
 
-EAGLE_SPEC = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num_speculative_tokens": 3}
+EAGLE_SPEC = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num_speculative_tokens": 3,
+              **ALWAYS_DRAFT}
 # Both engines propose the same greedy drafts from the same head along the same tokens, so
 # their counters differ only where a float near-tie flips one of the head's argmaxes.
 EAGLE_LENGTH_TOL = 0.03

@@ -6,8 +6,13 @@
 * {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
 * {"method": "eagle", "model": PATH, "num_speculative_tokens": k}: an EAGLE-1 head
   (`EagleLlamaForCausalLM`, vLLM's format) trained on the target's hidden states
-Any method also takes `num_speculative_tokens_per_batch_size`: vLLM's dynamic
-speculative decoding, a list of inclusive batch-size ranges
+Any method also takes `num_speculative_tokens_per_batch_size`:
+* left out ("auto"), the engine's default and not vLLM's: the engine measures at
+  start-up where drafting stops paying and drafts only below that batch size
+  (`speculative/auto_schedule.py`); it falls back to None under asynchronous
+  scheduling and tensor parallelism, which need a draft length known in advance;
+* None: vLLM's default, k drafts at every batch size;
+* vLLM's dynamic speculative decoding, a list of inclusive batch-size ranges
 [(first, last, k), ...] sorted, non-overlapping, starting at 1, k in
 [0, num_speculative_tokens]. After a step that scheduled n requests, the
 proposer drafts `num_tokens_for_batch(n)` tokens per request (a size between
@@ -38,7 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: str | None = None
-    num_speculative_tokens_per_batch_size: list | None = None
+    num_speculative_tokens_per_batch_size: list | str | None = "auto"
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -62,7 +67,12 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if self.num_speculative_tokens_per_batch_size is not None:
+        schedule = self.num_speculative_tokens_per_batch_size
+        if isinstance(schedule, str) and schedule != "auto":
+            raise ValueError("speculative_config.num_speculative_tokens_per_batch_size must be \"auto\" (the "
+                             "default: measured), None (always k) or a list of [first, last, k], "
+                             f"got {schedule!r}")
+        if schedule is not None and schedule != "auto":
             self.num_speculative_tokens_per_batch_size = self._checked_schedule(
                 self.num_speculative_tokens_per_batch_size, k)
         if self.method == "ngram":
@@ -105,8 +115,9 @@ class SpeculativeConfig:
 
     def num_tokens_for_batch(self, batch_size: int) -> int:
         """Drafts per request after a step of `batch_size` requests: the k of the
-        last range starting at or below it (num_speculative_tokens without a schedule)."""
-        if self.num_speculative_tokens_per_batch_size is None:
+        last range starting at or below it (num_speculative_tokens without a schedule).
+        "auto" is the worker's to resolve (`worker/spec_profile.py`); until then, k."""
+        if self.num_speculative_tokens_per_batch_size in (None, "auto"):
             return self.num_speculative_tokens
         k = 0
         for first, _, n in self.num_speculative_tokens_per_batch_size:

@@ -86,8 +86,9 @@ class ModelRunner:
         # `speculative.proposers.DraftModelProposer` or `speculative.eagle.EagleProposer`), or None without
         # speculative decoding: after each step it drafts the next step's tokens.
         self.proposer = proposer
-        # Dynamic speculative decoding (`SpeculativeConfig.num_tokens_for_batch`): how many
-        # drafts to propose after a step of n requests; None: always the proposer's k.
+        # Dynamic speculative decoding (`SpeculativeConfig.num_tokens_for_batch`, or the
+        # measured `speculative.auto_schedule.AutoSchedule` the worker sets after capture): how
+        # many drafts to propose after a step of n requests; None: always the proposer's k.
         self.spec_tokens_for_batch = spec_tokens_for_batch
         # Asynchronous scheduling with speculation: the drafts kept between steps and the
         # runner's own computed counts (`async_drafts.py`); None otherwise.

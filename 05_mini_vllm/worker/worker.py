@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -33,7 +34,9 @@ from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.loader import load_model
 from mini_vllm.paged_attention import allocate_kv_cache
+from mini_vllm.speculative.auto_schedule import AutoSchedule
 from mini_vllm.speculative.eagle import EagleProposer
+from mini_vllm.worker.spec_profile import measure_break_even
 
 logger = logging.getLogger("mini_vllm")
 
@@ -190,6 +193,19 @@ class Worker:
                                         spec_tokens_for_batch=None if cfg.speculative is None
                                         else cfg.speculative.num_tokens_for_batch)
         self.model_runner.capture_model()
+        if cfg.speculative is not None and cfg.speculative.num_speculative_tokens_per_batch_size == "auto":
+            self._measure_spec_schedule(max_num_seqs)
+
+    def _measure_spec_schedule(self, max_num_seqs: int) -> None:
+        """The default batch-size schedule of drafts (`speculative/auto_schedule.py`), from
+        dummy steps timed now, after capture and before the first request."""
+        runner, k = self.model_runner, self.config.speculative.num_speculative_tokens
+        start = time.perf_counter()
+        schedule = AutoSchedule(k, measure_break_even(runner, k, max_num_seqs), runner.spec_verifier.totals)
+        runner.spec_tokens_for_batch = schedule
+        logger.info("speculative decoding: measured in %.1f s: %s; drafting while the mean acceptance length "
+                    "exceeds it (num_speculative_tokens_per_batch_size=None drafts k at every batch size)",
+                    time.perf_counter() - start, schedule.describe())
 
     def _make_proposer(self, spec, num_blocks: int):
         from mini_vllm.spec_decode import NgramProposer

@@ -1,0 +1,115 @@
+"""Measuring, at start-up, where speculative decoding stops paying.
+
+vLLM counterpart: none; vLLM's `profile_run` (`vllm/v1/worker/gpu_model_runner.py`)
+measures memory, not time. This feeds `speculative/auto_schedule.py`, whose
+docstring states the rule: drafting pays at batch size B while the mean
+acceptance length exceeds c(B) = V(B) / T(B).
+
+For B = 1, 2, 4, ... up to `max_num_seqs`, on dummy steps:
+* T(B): the target's forward over B sequences of one token, and its LM head over B rows;
+* V(B): the target's forward over B sequences of k + 1 tokens and its LM head over
+  all B (k + 1) rows, plus the proposer's drafting:
+  - EAGLE: the head over B (k + 1) rows (its pass 1), then k - 1 times over B rows,
+    and the head's LM head k times over B rows;
+  - a draft model: the same passes with the draft model;
+  - n-gram: nothing (a lookup on the host).
+
+Each time is the fastest of `REPEATS` calls after a warm-up call (a shape's first
+call may compile). Dummy steps write no KV (every slot -1) and read block 0, as
+CUDA graph capture's do. The ladder stops after the first B whose c exceeds
+k + 1: no acceptance pays there, and larger batches only cost more per draft.
+
+Left out, so c errs low (the engine drafts a little more often than it should):
+sampling and verification, the proposer's host-side glue, and attention over
+long contexts (a dummy's context is at most k + 1 tokens).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mini_vllm.forward_context import set_forward_context
+from mini_vllm.speculative.eagle_base import EagleProposerBase
+from mini_vllm.speculative.proposers import DraftModelProposer
+from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
+
+REPEATS = 3
+
+
+def _best_time(fn, device: torch.device) -> float:
+    fn()  # warm-up: a new shape may compile or allocate
+    best = float("inf")
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _dummy(num_seqs: int, q: int, block_size: int, num_blocks: int, device):
+    md = dummy_metadata(num_seqs * q, num_seqs, block_size, device)
+    md.validate(num_blocks, block_size)
+    return md, torch.zeros(num_seqs * q, dtype=torch.long, device=device)
+
+
+def _target_step(runner, num_seqs: int, q: int):
+    md, ids = _dummy(num_seqs, q, runner.block_size, runner.cache_engine.num_gpu_blocks, runner.device)
+
+    def run():
+        runner.model.compute_logits(runner.model_forward(ids, ids, md))
+    return run
+
+
+def _drafting(runner, num_seqs: int, k: int):
+    """The proposer's passes for B = num_seqs requests, or None when it costs nothing measurable."""
+    proposer, dev = runner.proposer, runner.device
+    if isinstance(proposer, EagleProposerBase):
+        width = runner.model_config.hidden_size
+        dtype = next(runner.model.parameters()).dtype
+        wide, wide_ids = _dummy(num_seqs, k + 1, proposer.bs, proposer.num_cache_blocks, dev)
+        narrow, narrow_ids = _dummy(num_seqs, 1, proposer.bs, proposer.num_cache_blocks, dev)
+        h_wide = torch.zeros(num_seqs * (k + 1), width, dtype=dtype, device=dev)
+        h_narrow = h_wide[:num_seqs]
+
+        def run():
+            g = proposer._run(wide, wide_ids, wide_ids, h_wide)
+            proposer.head.compute_logits(g[:num_seqs])
+            for _ in range(k - 1):
+                g = proposer._run(narrow, narrow_ids, narrow_ids, h_narrow)
+                proposer.head.compute_logits(g)
+        return run
+    if isinstance(proposer, DraftModelProposer):
+        blocks = proposer.caches[0][0].shape[0]
+        wide, wide_ids = _dummy(num_seqs, k + 1, proposer.bs, blocks, dev)
+        narrow, narrow_ids = _dummy(num_seqs, 1, proposer.bs, blocks, dev)
+
+        def run():
+            with set_forward_context(wide):
+                proposer.draft.compute_logits(proposer.draft(wide_ids, wide_ids)[:num_seqs])
+            for _ in range(k - 1):
+                with set_forward_context(narrow):
+                    proposer.draft.compute_logits(proposer.draft(narrow_ids, narrow_ids))
+        return run
+    return None  # the n-gram lookup
+
+
+@torch.inference_mode()
+def measure_break_even(runner, k: int, max_num_seqs: int) -> list[tuple[int, float]]:
+    """[(B, c(B))] for B = 1, 2, 4, ..., up to max_num_seqs or the first c > k + 1."""
+    out: list[tuple[int, float]] = []
+    b = 1
+    while True:
+        plain = _best_time(_target_step(runner, b, 1), runner.device)
+        verify = _best_time(_target_step(runner, b, k + 1), runner.device)
+        draft = _drafting(runner, b, k)
+        if draft is not None:
+            verify += _best_time(draft, runner.device)
+        out.append((b, verify / plain))
+        if out[-1][1] > k + 1 or b >= max_num_seqs:
+            return out
+        b = min(2 * b, max_num_seqs)
