@@ -335,8 +335,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="spec_profile_leaves_out_the_proposer",
         path="05_mini_vllm/worker/spec_profile.py",
-        old="verify += _best_time(draft, runner.device)",
-        new="pass",
+        old="out.append((b, sum(times[1:]) / times[0]))",
+        new="out.append((b, times[1] / times[0]))",
         tests=["tests/test_ch5_auto_schedule.py::test_the_ladder_doubles_and_stops_where_no_acceptance_pays"],
         why="the break-even must count the proposer's passes, not only the target's verification",
     ),

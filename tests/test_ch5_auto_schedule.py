@@ -75,8 +75,8 @@ def test_the_ladder_doubles_and_stops_where_no_acceptance_pays(monkeypatch):
 
     monkeypatch.setattr(spec_profile, "_target_step", lambda runner, num_seqs, q: ("target", num_seqs * q))
     monkeypatch.setattr(spec_profile, "_drafting", lambda runner, num_seqs, k: ("draft", num_seqs))
-    monkeypatch.setattr(spec_profile, "_best_time",
-                        lambda fn, device: 1 + fn[1] / 8 if fn[0] == "target" else 0.5 + per_seq[0] * fn[1])
+    monkeypatch.setattr(spec_profile, "_best_times", lambda fns, device: [
+        1 + fn[1] / 8 if fn[0] == "target" else 0.5 + per_seq[0] * fn[1] for fn in fns])
 
     def c(b):
         return (1 + b * (k + 1) / 8 + 0.5 + per_seq[0] * b) / (1 + b / 8)

@@ -15,7 +15,8 @@ For B = 1, 2, 4, ... up to `max_num_seqs`, on dummy steps:
   - n-gram: nothing (a lookup on the host).
 
 Each time is the fastest of `REPEATS` calls after a warm-up call (a shape's first
-call may compile). Dummy steps write no KV (every slot -1) and read block 0, as
+call may compile); the calls of one B alternate (plain, verify, draft, plain, ...), so
+that a slow spell of a shared machine hits all three alike. Dummy steps write no KV (every slot -1) and read block 0, as
 CUDA graph capture's do. The ladder stops after the first B whose c exceeds
 k + 1: no acceptance pays there, and larger batches only cost more per draft.
 
@@ -34,21 +35,28 @@ from mini_vllm.speculative.eagle_base import EagleProposerBase
 from mini_vllm.speculative.proposers import DraftModelProposer
 from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
 
-REPEATS = 3
+REPEATS = 5
+
+
+def _best_times(fns: list, device: torch.device) -> list[float]:
+    """The fastest of REPEATS calls of each of `fns`, called in turn, after a warm-up call each."""
+    for fn in fns:
+        fn()  # warm-up: a new shape may compile or allocate
+    best = [float("inf")] * len(fns)
+    for _ in range(REPEATS):
+        for i, fn in enumerate(fns):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def _best_time(fn, device: torch.device) -> float:
-    fn()  # warm-up: a new shape may compile or allocate
-    best = float("inf")
-    for _ in range(REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return _best_times([fn], device)[0]
 
 
 def _dummy(num_seqs: int, q: int, block_size: int, num_blocks: int, device):
@@ -104,12 +112,10 @@ def measure_break_even(runner, k: int, max_num_seqs: int) -> list[tuple[int, flo
     out: list[tuple[int, float]] = []
     b = 1
     while True:
-        plain = _best_time(_target_step(runner, b, 1), runner.device)
-        verify = _best_time(_target_step(runner, b, k + 1), runner.device)
         draft = _drafting(runner, b, k)
-        if draft is not None:
-            verify += _best_time(draft, runner.device)
-        out.append((b, verify / plain))
+        fns = [_target_step(runner, b, 1), _target_step(runner, b, k + 1)] + ([draft] if draft is not None else [])
+        times = _best_times(fns, runner.device)
+        out.append((b, sum(times[1:]) / times[0]))
         if out[-1][1] > k + 1 or b >= max_num_seqs:
             return out
         b = min(2 * b, max_num_seqs)
