@@ -119,6 +119,19 @@ def test_the_engine_measures_a_schedule_and_follows_it():
         "a batch of four drafted although its break-even (10) exceeds any acceptance length")
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": str(model_path("tiny-py-draft")), "num_speculative_tokens": 2}])
+def test_every_method_gets_a_measured_schedule(spec):
+    """The profile runs each proposer's own passes (none for the n-gram lookup), and the engine
+    serves with the schedule it measured: the plain engine's greedy tokens."""
+    want = run_greedy(make_llm(multiprocess_mode=False), PROMPTS[:2], 16)
+    llm = make_llm(multiprocess_mode=False, max_num_seqs=4, speculative_config=spec)
+    schedule = _runner(llm).spec_tokens_for_batch
+    assert isinstance(schedule, AutoSchedule) and schedule.batch_sizes[0] == 1, f"{spec['method']}: {schedule!r}"
+    assert run_greedy(llm, PROMPTS[:2], 16) == want, f"{spec['method']}: greedy tokens changed under the schedule"
+
+
 def test_none_is_vllms_always_k_and_bad_values_are_refused():
     llm = make_llm(multiprocess_mode=False, speculative_config={
         "method": "eagle", "model": EAGLE, "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": None})
