@@ -89,6 +89,9 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
         per_pos = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
         mal = s["spec_mean_acceptance_length"]
         rows += [("speculative decoding", f"{speculative}, k = {spec['num_speculative_tokens']}"),
+                 # num_speculative_tokens_per_batch_size left out: the engine's measured schedule
+                 ("draft schedule", "measured: drafts only at batch sizes where the mean acceptance "
+                                    "length beats the break-even timed at start-up (speculative/auto_schedule.py)"),
                  ("draft acceptance rate", f"{100 * s['spec_acceptance_rate']:.1f}% "
                                            f"of {s['spec_num_drafts']} draft tokens"),
                  ("acceptance per position", per_pos),
