@@ -69,7 +69,8 @@ def step_costs() -> tuple[dict[int, float], dict[int, float]]:
                                   "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": None})
     runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
     prop = runner.proposer
-    T = {n: sp._best_time(sp._target_step(runner, 1, n), runner.device) for n in sorted({1} | {1 + c[3] for c in CONFIGS})}
+    rows = sorted({1} | {1 + c[3] for c in CONFIGS})
+    T = {n: sp._best_time(sp._target_step(runner, 1, n), runner.device) for n in rows}
 
     def head_pass(n: int):
         md, ids = sp._dummy(n, 1, prop.bs, prop.num_cache_blocks, runner.device)

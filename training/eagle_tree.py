@@ -140,7 +140,7 @@ class TreeDrafter:
                 hidden = self.g_ctx[t] if nd.parent == -1 else g_of[nd.parent]
                 h0, q, k, v = head.qkv(self.embed[nd.token][None, None], hidden[None, None],
                                        torch.tensor([[t + d]]))
-                anc = [a for a in self._ancestors(nodes, i)]
+                anc = self._ancestors(nodes, i)
                 keys = torch.cat([self.k_ctx[:, : t + 1]] + [kv_of[a][0] for a in anc] + [k], 1)
                 values = torch.cat([self.v_ctx[:, : t + 1]] + [kv_of[a][1] for a in anc] + [v], 1)
                 kv_of[i] = (k, v)
