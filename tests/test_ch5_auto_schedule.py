@@ -73,6 +73,7 @@ def test_the_ladder_doubles_and_stops_where_no_acceptance_pays(monkeypatch):
     class Runner:
         device = "cpu"
 
+    monkeypatch.setattr(spec_profile, "BUDGET_S", float("inf"))  # made-up costs of seconds; tried last
     monkeypatch.setattr(spec_profile, "_target_step", lambda runner, num_seqs, q: ("target", num_seqs * q))
     monkeypatch.setattr(spec_profile, "_drafting", lambda runner, num_seqs, k: ("draft", num_seqs))
     monkeypatch.setattr(spec_profile, "_best_times", lambda fns, device: [
@@ -90,6 +91,14 @@ def test_the_ladder_doubles_and_stops_where_no_acceptance_pays(monkeypatch):
     assert [b for b, _ in got] == [1, 2, 4, 8, 16], (
         f"the ladder must stop right after the first batch size whose break-even exceeds k + 1 (16): {got}")
     assert all(v == pytest.approx(c(b)) for b, v in got), got
+    # A slow machine: the calls of batch sizes 1..8 take over BUDGET_S together (6 calls of each fn
+    # per size), so the ladder stops after 8 even though drafting could still pay there.
+    per_seq[0] = 0.0
+    monkeypatch.setattr(spec_profile, "BUDGET_S", 6 * sum(1 + b / 8 + 1 + b * (k + 1) / 8 + 0.5 for b in (1, 2, 4))
+                        + 1e-9)
+    got = spec_profile.measure_break_even(Runner(), k, 100)
+    assert [b for b, _ in got] == [1, 2, 4, 8] and got[-1][1] <= k + 1, (
+        f"the ladder must stop at the first batch size whose calls pass BUDGET_S seconds in all: {got}")
 
 
 def _runner(llm):

@@ -16,7 +16,10 @@ For B = 1, 2, 4, ... up to `max_num_seqs`, on dummy steps:
 
 Each time is the fastest of `REPEATS` calls after a warm-up call (a shape's first
 call may compile); the calls of one B alternate (plain, verify, draft, plain, ...), so
-that a slow spell of a shared machine hits all three alike. Dummy steps write no KV (every slot -1) and read block 0, as
+that a slow spell of a shared machine hits all three alike. The ladder also stops once
+its calls add up to `BUDGET_S` seconds (a large model on a CPU, where a step of many
+rows takes seconds): batch sizes past the last measured one then draft nothing, the
+conservative side, and the start-up log says so. Dummy steps write no KV (every slot -1) and read block 0, as
 CUDA graph capture's do. The ladder stops after the first B whose c exceeds
 k + 1: no acceptance pays there, and larger batches only cost more per draft.
 
@@ -26,6 +29,7 @@ long contexts (a dummy's context is at most k + 1 tokens).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -35,7 +39,10 @@ from mini_vllm.speculative.eagle_base import EagleProposerBase
 from mini_vllm.speculative.proposers import DraftModelProposer
 from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
 
+logger = logging.getLogger("mini_vllm")
+
 REPEATS = 5
+BUDGET_S = 10.0
 
 
 def _best_times(fns: list, device: torch.device) -> list[float]:
@@ -110,12 +117,17 @@ def _drafting(runner, num_seqs: int, k: int):
 def measure_break_even(runner, k: int, max_num_seqs: int) -> list[tuple[int, float]]:
     """[(B, c(B))] for B = 1, 2, 4, ..., up to max_num_seqs or the first c > k + 1."""
     out: list[tuple[int, float]] = []
-    b = 1
+    b, spent = 1, 0.0
     while True:
         draft = _drafting(runner, b, k)
         fns = [_target_step(runner, b, 1), _target_step(runner, b, k + 1)] + ([draft] if draft is not None else [])
         times = _best_times(fns, runner.device)
+        spent += (REPEATS + 1) * sum(times)  # the warm-up and timed calls, each at least its best time
         out.append((b, sum(times[1:]) / times[0]))
         if out[-1][1] > k + 1 or b >= max_num_seqs:
+            return out
+        if spent > BUDGET_S:
+            logger.info("speculative decoding: measuring stopped at batch size %d after about %.0f s; "
+                        "larger batches draft nothing", b, spent)
             return out
         b = min(2 * b, max_num_seqs)
