@@ -121,7 +121,7 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
         methods.append(("eagle", k, per_batch_size))
     if "eagle" in chosen:  # and with the engine's default, the measured schedule (the engine only)
         methods.append(("eagle", k, "auto"))
-    print(f"{'batch':>6}{'method':>18}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
+    print(f"{'batch':>6}{'method':>21}{'mini-vLLM':>22}{'vLLM 0.32':>22}{'mini / vLLM':>13}")
     for batch in batches:
         ps = prompts[:batch]
         useful = batch * SPEED_TOKENS
@@ -144,7 +144,7 @@ def speed_table(threads: int, runs: int, k: int, chosen: list[str], per_batch_si
                 ratio = f"{tv / t:.2f}"
             name = "none" if method is None else f"{method} k={kk}" + (
                 " measured" if sched == "auto" else " dynamic" if sched else "")
-            print(f"{batch:>6}{name:>18}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
+            print(f"{batch:>6}{name:>21}{cell_m:>22}{cell_v:>22}{ratio:>13}", flush=True)
 
 
 def main() -> None:
