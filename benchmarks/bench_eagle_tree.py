@@ -8,8 +8,9 @@ prompts (64 tokens each, --tokens new tokens), at every position: the tree the h
 * the speed-up at batch 1 that the engine's own step costs predict,
       L * T(1) / (T(1 + budget) + H(4) + (depth - 1) * H(top_k)),
   where T(n) is the engine's target forward and LM head over one sequence of n tokens, and H(n)
-  the head's forward and LM head over n rows, timed in this process on dummy steps
-  (`mini_vllm/worker/spec_profile.py`'s), fastest of 3. The engine serves chains only (trees
+  the head's forward and LM head over n rows, timed in this process on dummy steps under
+  inference mode, as the engine runs them (`mini_vllm/worker/spec_profile.py`'s: the fastest of
+  5 calls, the sizes' calls alternating). The engine serves chains only (trees
   need tree attention in its paged kernels), so the tree rows are a prediction; the chain row
   can be checked against `bench_spec_vs_vllm.py`'s measured batch-1 speed-up.
 
@@ -68,16 +69,11 @@ def step_costs() -> tuple[dict[int, float], dict[int, float]]:
               speculative_config={"method": "eagle", "model": str(model_path("tiny-py-eagle")),
                                   "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": None})
     runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
-    prop = runner.proposer
-    rows = sorted({1} | {1 + c[3] for c in CONFIGS})
-    T = {n: sp._best_time(sp._target_step(runner, 1, n), runner.device) for n in rows}
-
-    def head_pass(n: int):
-        md, ids = sp._dummy(n, 1, prop.bs, prop.num_cache_blocks, runner.device)
-        hidden = torch.zeros(n, runner.model_config.hidden_size)
-        return lambda: prop.head.compute_logits(prop._run(md, ids, ids, hidden))
+    rows = sorted({1} | {1 + c[3] for c in CONFIGS})   # the target over one sequence of n tokens
+    widths = sorted({1, 4} | {c[2] for c in CONFIGS})  # the head over n one-token rows
     with torch.inference_mode():
-        H = {n: sp._best_time(head_pass(n), runner.device) for n in sorted({1, 4} | {c[2] for c in CONFIGS})}
+        T = dict(zip(rows, sp._best_times([sp._target_step(runner, 1, n) for n in rows], runner.device)))
+        H = dict(zip(widths, sp._best_times([sp._proposer_pass(runner, n, 1) for n in widths], runner.device)))
     llm.shutdown()
     return T, H
 

@@ -55,6 +55,11 @@ def run_greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def model_runner(llm: LLM):
+    """The ModelRunner of an engine whose core runs in this process (multiprocess_mode=False)."""
+    return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+
+
 def assert_pool_full(llm: LLM) -> None:
     # Utility calls: the same check whether the core runs here or in its own process.
     eng, call = llm.llm_engine, llm.llm_engine.engine_core.call_utility

@@ -13,7 +13,7 @@ was scheduled before step N's update), which the batch queue fixes by
 construction."""
 import pytest
 
-from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, model_runner
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import model_path
 from mini_vllm.sampling_params import StructuredOutputsParams
@@ -165,7 +165,7 @@ def test_the_next_step_reads_the_last_tokens_on_the_device():
     Tokens must equal synchronous scheduling's either way."""
     def run(params, async_scheduling):
         llm = make_llm(block_size=16, async_scheduling=async_scheduling)
-        runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+        runner = model_runner(llm)
         pending_at_prepare = []
         prepare = runner._prepare_inputs
 
@@ -228,7 +228,7 @@ def test_finished_rows_are_freed_before_a_full_batch_of_new_requests():
     requests overflow the persistent batch (found on an H100 by `make gpu-check`:
     a warm-up, then 256 requests at max_num_seqs=256)."""
     llm = make_llm(async_scheduling=True, max_num_seqs=4, max_model_len=128)
-    runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+    runner = model_runner(llm)
     sync = make_llm(max_num_seqs=4, max_model_len=128)
     for rnd in range(3):
         prompts = [{"prompt_token_ids": [1 + i + 10 * rnd, 2, 3]} for i in range(4)]

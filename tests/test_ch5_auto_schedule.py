@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import make_llm, run_greedy
+from engine_utils import make_llm, model_runner, run_greedy
 from mini_vllm.course.tiny_models import model_path
 from mini_vllm.metrics.stats import SpecDecodingStats
 from mini_vllm.speculative.auto_schedule import MIN_DRAFT_SEQUENCES, AutoSchedule
@@ -101,10 +101,6 @@ def test_the_ladder_doubles_and_stops_where_no_acceptance_pays(monkeypatch):
         f"the ladder must stop at the first batch size whose calls pass BUDGET_S seconds in all: {got}")
 
 
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
-
-
 def test_the_engine_measures_a_schedule_and_follows_it():
     """Left out, the schedule is measured at start-up: a break-even per batch size, ascending
     from 1. With break-evens chosen here (batch 1 pays, 2 and more do not), one request
@@ -113,7 +109,7 @@ def test_the_engine_measures_a_schedule_and_follows_it():
     want = run_greedy(plain, PROMPTS, 24)
     llm = make_llm(multiprocess_mode=False, max_num_seqs=8,
                    speculative_config={"method": "eagle", "model": EAGLE, "num_speculative_tokens": 3})
-    runner = _runner(llm)
+    runner = model_runner(llm)
     schedule = runner.spec_tokens_for_batch
     assert isinstance(schedule, AutoSchedule), f"no measured schedule was installed: {schedule!r}"
     assert schedule.batch_sizes[0] == 1 and schedule.batch_sizes == sorted(schedule.batch_sizes)
@@ -136,7 +132,7 @@ def test_every_method_gets_a_measured_schedule(spec):
     serves with the schedule it measured: the plain engine's greedy tokens."""
     want = run_greedy(make_llm(multiprocess_mode=False), PROMPTS[:2], 16)
     llm = make_llm(multiprocess_mode=False, max_num_seqs=4, speculative_config=spec)
-    schedule = _runner(llm).spec_tokens_for_batch
+    schedule = model_runner(llm).spec_tokens_for_batch
     assert isinstance(schedule, AutoSchedule) and schedule.batch_sizes[0] == 1, f"{spec['method']}: {schedule!r}"
     assert run_greedy(llm, PROMPTS[:2], 16) == want, f"{spec['method']}: greedy tokens changed under the schedule"
 
@@ -144,7 +140,7 @@ def test_every_method_gets_a_measured_schedule(spec):
 def test_none_is_vllms_always_k_and_bad_values_are_refused():
     llm = make_llm(multiprocess_mode=False, speculative_config={
         "method": "eagle", "model": EAGLE, "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": None})
-    runner = _runner(llm)
+    runner = model_runner(llm)
     assert not isinstance(runner.spec_tokens_for_batch, AutoSchedule) \
         and [runner.num_drafts_after(b) for b in (1, 2, 64, 256)] == [2] * 4, \
         "None must mean vLLM's default: k drafts at every batch size, nothing measured"

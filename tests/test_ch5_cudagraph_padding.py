@@ -14,16 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import greedy, make_llm, run_greedy
+from engine_utils import greedy, make_llm, model_runner, run_greedy
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode, default_capture_sizes
 from mini_vllm.worker.cudagraph_dispatcher import CudagraphDispatcher
 
 SIZES = [1, 2, 4, 8]
 PROMPTS = [list(range(5 + i, 14 + 3 * i)) for i in range(5)]  # 5 requests: decode batches of 5 pad to 8
-
-
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +43,20 @@ def test_full_graph_steps_give_the_unpadded_tokens_and_logprobs(eager_and_full):
             for tok, lp in lw.items():
                 assert abs(lg[tok].logprob - lp.logprob) < 1e-4, \
                     "padded decode changed the logprobs beyond fp32 noise: the real rows saw other inputs"
-    mf = _runner(full).model_forward
+    mf = model_runner(full).model_forward
     assert mf.full_graph is not None and sorted(mf.full_graph.entries) == SIZES, \
         "a FULL graph must exist for every capture size after start-up"
 
 
 def test_graphs_are_captured_largest_first(eager_and_full):
-    mf = _runner(eager_and_full[1]).model_forward
+    mf = model_runner(eager_and_full[1]).model_forward
     assert list(mf.full_graph.entries) == sorted(SIZES, reverse=True), \
         "capture must go from the largest size down, so smaller graphs reuse the largest one's pool"
 
 
 def test_decode_steps_run_as_full_graphs_padded_to_a_capture_size(eager_and_full):
     full = eager_and_full[1]
-    mf = _runner(full).model_forward
+    mf = model_runner(full).model_forward
     seen = []
     real_fill = mf.static.fill_decode_metadata
 
@@ -84,7 +80,7 @@ def test_padded_rows_write_no_kv_slot(eager_and_full):
     inside the first FULL step, so the check holds with asynchronous scheduling
     too (the default on CUDA), where `engine.step()` does not map to one forward."""
     full = eager_and_full[1]
-    runner = _runner(full)
+    runner = model_runner(full)
     engine = full.llm_engine
     caches = [t for pair in runner.cache_engine.gpu_cache for t in pair]
     before: list[torch.Tensor] = []
@@ -121,7 +117,7 @@ def test_padded_rows_write_no_kv_slot(eager_and_full):
 
 def test_static_buffer_reallocated_after_capture_is_refused(eager_and_full):
     full = eager_and_full[1]
-    static = _runner(full).model_forward.static
+    static = model_runner(full).model_forward.static
     old = static.input_ids
     static.input_ids = torch.zeros_like(old)
     try:
@@ -197,7 +193,7 @@ def test_piecewise_steps_give_the_eager_tokens(eager_and_full, graph_mode):
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     llm = make_llm(compilation_config={"mode": 3, "cudagraph_mode": graph_mode, "cudagraph_capture_sizes": sizes})
     try:
-        mf = _runner(llm).model_forward
+        mf = model_runner(llm).model_forward
         modes = []
         real = mf.dispatcher.dispatch
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
 
-from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, run_greedy
+from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, model_runner, run_greedy
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import load_tiny_tokenizer, model_path
 
@@ -78,7 +78,7 @@ def test_dynamic_speculation_drafts_only_at_small_batches(method, code_prompts):
     base = [o.outputs[0].token_ids for o in make_llm(block_size=8).generate(prompts, params, use_tqdm=False)]
     cfg = dict(spec(method, 3), num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 64, 0]])
     llm = make_llm(block_size=8, speculative_config=cfg, multiprocess_mode=False)
-    runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner
+    runner = model_runner(llm)
     steps, real = [], runner.execute_model
 
     def record(so):  # (requests in the step, drafts it verifies)

@@ -140,7 +140,7 @@ class TreeDrafter:
                 hidden = self.g_ctx[t] if nd.parent == -1 else g_of[nd.parent]
                 h0, q, k, v = head.qkv(self.embed[nd.token][None, None], hidden[None, None],
                                        torch.tensor([[t + d]]))
-                anc = self._ancestors(nodes, i)
+                anc = DraftTree(nodes).path(i)[:-1]
                 keys = torch.cat([self.k_ctx[:, : t + 1]] + [kv_of[a][0] for a in anc] + [k], 1)
                 values = torch.cat([self.v_ctx[:, : t + 1]] + [kv_of[a][1] for a in anc] + [v], 1)
                 kv_of[i] = (k, v)
@@ -153,15 +153,6 @@ class TreeDrafter:
                     nodes.append(Node(int(x), i, d + 1, nodes[i].value * float(v)))
                     frontier.append(len(nodes) - 1)
         return self._rerank(nodes, budget)
-
-    @staticmethod
-    def _ancestors(nodes: list[Node], i: int) -> list[int]:
-        out = []
-        j = nodes[i].parent
-        while j >= 0:
-            out.append(j)
-            j = nodes[j].parent
-        return out[::-1]
 
     @staticmethod
     def _rerank(nodes: list[Node], budget: int) -> DraftTree:

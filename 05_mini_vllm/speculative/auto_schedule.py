@@ -56,7 +56,7 @@ class AutoSchedule:
         for _, c in break_even:  # non-decreasing: a noisy dip must not turn drafting back on
             self.costs.append(max(c, self.costs[-1]) if self.costs else c)
         self.totals = totals
-        self._last: tuple[bool, int] | None = None  # (drafting, batch size) of the latest call
+        self._drafting: bool | None = None  # the latest call's answer (None before any): a change is logged
 
     def acceptance_length(self) -> float:
         """L: the measured mean acceptance length, or k + 1 while too few drafts were verified."""
@@ -73,11 +73,11 @@ class AutoSchedule:
     def __call__(self, batch_size: int) -> int:
         length, cost = self.acceptance_length(), self.break_even_at(batch_size)
         drafting = length > cost
-        if self._last is None or self._last[0] != drafting:
+        if drafting != self._drafting:
             logger.info("speculative decoding (measured schedule): %s at batch size %d: mean acceptance "
                         "length %.2f %s break-even %.2f", "drafting" if drafting else "no drafts",
                         batch_size, length, ">" if drafting else "<=", cost)
-        self._last = (drafting, batch_size)
+        self._drafting = drafting
         return self.k if drafting else 0
 
     def describe(self) -> str:

@@ -62,10 +62,6 @@ def _best_times(fns: list, device: torch.device) -> list[float]:
     return best
 
 
-def _best_time(fn, device: torch.device) -> float:
-    return _best_times([fn], device)[0]
-
-
 def _dummy(num_seqs: int, q: int, block_size: int, num_blocks: int, device):
     md = dummy_metadata(num_seqs * q, num_seqs, block_size, device)
     md.validate(num_blocks, block_size)
@@ -80,37 +76,44 @@ def _target_step(runner, num_seqs: int, q: int):
     return run
 
 
-def _drafting(runner, num_seqs: int, k: int):
-    """The proposer's passes for B = num_seqs requests, or None when it costs nothing measurable."""
+def _proposer_pass(runner, num_seqs: int, q: int):
+    """One pass of the proposer's model over num_seqs dummy sequences of q tokens, then its LM
+    head over num_seqs rows; None for the n-gram lookup, which runs no model."""
     proposer, dev = runner.proposer, runner.device
     if isinstance(proposer, EagleProposerBase):
-        width = runner.model_config.hidden_size
-        dtype = next(runner.model.parameters()).dtype
-        wide, wide_ids = _dummy(num_seqs, k + 1, proposer.bs, proposer.num_cache_blocks, dev)
-        narrow, narrow_ids = _dummy(num_seqs, 1, proposer.bs, proposer.num_cache_blocks, dev)
-        h_wide = torch.zeros(num_seqs * (k + 1), width, dtype=dtype, device=dev)
-        h_narrow = h_wide[:num_seqs]
+        bs, blocks = proposer.bs, proposer.num_cache_blocks
+        hidden = torch.zeros(num_seqs * q, runner.model_config.hidden_size,
+                             dtype=next(runner.model.parameters()).dtype, device=dev)
 
-        def run():
-            g = proposer._run(wide, wide_ids, wide_ids, h_wide)
-            proposer.head.compute_logits(g[:num_seqs])
-            for _ in range(k - 1):
-                g = proposer._run(narrow, narrow_ids, narrow_ids, h_narrow)
-                proposer.head.compute_logits(g)
-        return run
-    if isinstance(proposer, DraftModelProposer):
-        blocks = proposer.caches[0][0].shape[0]
-        wide, wide_ids = _dummy(num_seqs, k + 1, proposer.bs, blocks, dev)
-        narrow, narrow_ids = _dummy(num_seqs, 1, proposer.bs, blocks, dev)
+        def forward(md, ids):
+            return proposer._run(md, ids, ids, hidden)
+        logits = proposer.head.compute_logits
+    elif isinstance(proposer, DraftModelProposer):
+        bs, blocks = proposer.bs, proposer.caches[0][0].shape[0]
 
-        def run():
-            with set_forward_context(wide):
-                proposer.draft.compute_logits(proposer.draft(wide_ids, wide_ids)[:num_seqs])
-            for _ in range(k - 1):
-                with set_forward_context(narrow):
-                    proposer.draft.compute_logits(proposer.draft(narrow_ids, narrow_ids))
-        return run
-    return None  # the n-gram lookup
+        def forward(md, ids):
+            with set_forward_context(md):
+                return proposer.draft(ids, ids)
+        logits = proposer.draft.compute_logits
+    else:
+        return None
+    md, ids = _dummy(num_seqs, q, bs, blocks, dev)
+    return lambda: logits(forward(md, ids)[:num_seqs])
+
+
+def _drafting(runner, num_seqs: int, k: int):
+    """The proposer's passes for B = num_seqs requests (one over k + 1 tokens each, then k - 1
+    over one), or None when it runs no model."""
+    first = _proposer_pass(runner, num_seqs, k + 1)
+    if first is None:
+        return None
+    step = _proposer_pass(runner, num_seqs, 1)
+
+    def run():
+        first()
+        for _ in range(k - 1):
+            step()
+    return run
 
 
 @torch.inference_mode()
