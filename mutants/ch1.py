@@ -30,6 +30,8 @@ LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
 LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (AVX512_BF16)
 GEMM_CPP = "kernels/csrc/cpu_gemm.h"  # the same
 GEMM_TESTS = ["tests/test_kernels_cpu_gemm.py"]
+SPLIT = "kernels/paged_attention_split.py"
+SPLIT_TESTS = ["tests/test_kernels_paged_attention_split.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -532,5 +534,30 @@ MUTANTS: list[Mutant] = [
         new="return w.reshape(n // PANEL_COLUMNS, k, PANEL_COLUMNS).contiguous()",
         tests=GEMM_TESTS,
         why="fp32 linear: the weight's rows cut into panels without the transpose the kernel reads",
+    ),
+    # The split-KV decode kernel (FlashDecoding) of the GPU path, caught in Triton's interpreter.
+    Mutant(
+        name="split_kv_reduce_without_rescale",
+        path=SPLIT,
+        old="w = tl.where(s_ok, tl.exp2(m - m_all), 0.0)",
+        new="w = tl.where(s_ok, 1.0, 0.0)",
+        tests=SPLIT_TESTS,
+        why="split-KV reduce: each segment's sums added at its own maximum, not rescaled to the global one",
+    ),
+    Mutant(
+        name="split_kv_empty_segment_contributes",
+        path=SPLIT,
+        old="s_ok = s < used",
+        new="s_ok = s < NUM_SEGMENTS",
+        tests=SPLIT_TESTS,
+        why="split-KV reduce: segments past a short sequence's end (never written: stale workspace) are summed",
+    ),
+    Mutant(
+        name="split_kv_segments_overlap",
+        path=SPLIT,
+        old="kv_end = tl.minimum(seq_len, kv_start + per_segment * BLOCK_N)",
+        new="kv_end = seq_len",
+        tests=SPLIT_TESTS,
+        why="split-KV: every segment runs to the end of the sequence, so later keys are counted several times",
     ),
 ]

@@ -152,3 +152,24 @@ def test_cpu_backends_cache_write_equals_reshape_and_cache():
     write_kv_in_place(key, value, kc, vc, slots[real].long(), real)
     assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "key cache differs from reshape_and_cache's"
     assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "value cache differs from reshape_and_cache's"
+
+
+@pytest.mark.parametrize("parallelism,split", [(1, False), (132, True)])
+def test_triton_decode_step_splits_keys_when_the_batch_cannot_fill_the_device(monkeypatch, parallelism, split):
+    """A pure-decode step of 2 sequences x 1 KV head is 2 programs: on a device of
+    132 SMs the backend must take the split-KV kernel (FlashDecoding), on one of
+    a single core the plain decode kernel; both give the reference's result."""
+    from mini_vllm.attention import backends
+    from mini_vllm.kernels import paged_attention_split
+
+    launches = []
+    real = paged_attention_split.split_kv_launch
+    monkeypatch.setattr(paged_attention_split, "split_kv_launch",
+                        lambda *a, **kw: launches.append(a[-1]) or real(*a, **kw))
+    monkeypatch.setattr(backends, "_parallelism", lambda device: parallelism)
+    case = make_case([40, 9], [1, 1], [[4, 0, 7, 5, 2], [6, 8]], 9, 8, 4, 1, 16)
+    check_against_oracle("triton", case, 1e-5, 1e-5, f"decode step, parallelism {parallelism}")
+    assert bool(launches) == split, (f"parallelism {parallelism}: split-KV launches {launches}; a small decode batch "
+                                     "must split its keys only when its programs cannot fill the device")
+    if split:
+        assert launches == [paged_attention_split.num_segments_for(2, 1, parallelism)], launches

@@ -20,7 +20,8 @@ filled in this very step), and a prefill chunk reads its own fresh keys from
 the cache. Both work only if the whole batch is written before anything reads.
 
 Backends:
-* "triton": the Triton kernels of `mini_vllm.kernels` (the GPU path);
+* "triton": the Triton kernels of `mini_vllm.kernels` (the GPU path); a small
+  pure-decode batch takes the split-KV kernel (`paged_attention_split.py`);
 * "cpu": the numba-compiled kernel `mini_vllm.kernels.cpu_paged_attention`,
   which reads K/V blocks in place (the CPU default: it skips the padded
   gather that "torch" copies every block into); its per-step metadata
@@ -32,6 +33,7 @@ Backends:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +74,7 @@ class TritonAttentionBackend:
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
         # Imported lazily: importing triton is slow and the torch backend never needs it.
         from mini_vllm.kernels.paged_attention import paged_attention_unchecked
+        from mini_vllm.kernels.paged_attention_split import num_segments_for, split_kv_launch
         from mini_vllm.kernels.reshape_and_cache import reshape_and_cache_unchecked
 
         # The step's metadata is checked once (the first layer; the runner usually did it
@@ -79,10 +82,25 @@ class TritonAttentionBackend:
         # and 5-7 such waits per layer kept a GPU idle most of a decode step.
         md.validate(key_cache.shape[0], key_cache.shape[1])
         reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping)
-        # A pure-decode step uses the decode launch: one program per (sequence, KV head)
-        # instead of a 64-row query tile of which a decode fills GROUP rows.
+        if md.max_query_len == 1:
+            # A pure-decode step: one program per (sequence, KV head) instead of a 64-row query
+            # tile of which a decode fills GROUP rows; when that leaves SMs idle (a small batch),
+            # each sequence's keys are split into segments reduced afterwards (FlashDecoding).
+            # The segment count depends on shapes only, so a captured graph fixes it.
+            segments = num_segments_for(query.shape[0], key_cache.shape[2], _parallelism(query.device))
+            if segments > 1:
+                return split_kv_launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale,
+                                       segments)
         return paged_attention_unchecked(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q,
                                          md.seq_lens, scale, decode=md.max_query_len == 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _parallelism(device: torch.device) -> int:
+    """The device's SM count (cores on a CPU), asked once: a property query per layer costs host time."""
+    from mini_vllm.kernels.paged_attention_split import device_parallelism
+
+    return device_parallelism(device)
 
 
 @dataclass
