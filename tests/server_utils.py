@@ -158,9 +158,18 @@ def child_processes(pid: int) -> dict[int, str]:
     return out
 
 
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: what the process calls itself (the engine core: "EngineCore")."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def engine_core_pid(server_pid: int) -> int:
-    """The server's engine core process (spawned by multiprocessing, beside its resource tracker)."""
-    cores = [p for p, cmd in child_processes(server_pid).items() if "spawn_main" in cmd]
+    """The server's engine core process: the child named "EngineCore" (forked, its command
+    line is the server's; spawned, it sits beside multiprocessing's resource tracker)."""
+    cores = [p for p in child_processes(server_pid) if process_name(p) == "EngineCore"]
     assert len(cores) == 1, f"expected one engine core process under the server, found {child_processes(server_pid)}"
     return cores[0]
 

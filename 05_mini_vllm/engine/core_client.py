@@ -7,7 +7,8 @@ vLLM counterpart: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client
   runs one step (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`; here
   `MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0`). Readable, debuggable, no overlap.
 - `SyncMPClient` (`LLM`, `LLMEngine`) and `AsyncMPClient` (`AsyncLLM`, the
-  server): the core is an `EngineCoreProc` in its own process (spawned), or in
+  server): the core is an `EngineCoreProc` in its own process (forked where
+  that is safe, else spawned: `utils.get_mp_context`), or in
   a thread of this one (`in_thread=True`, the in-process mode of `AsyncLLM`),
   reached over two ZeroMQ PUSH/PULL pipes carrying msgpack (`serial_utils`).
 
@@ -19,7 +20,9 @@ Invariants of the MP clients:
   reads the output socket and hands outputs over;
 - if the core dies (DEAD message, or its process exits: SIGKILL included),
   `get_output` and every pending or later call raise `EngineDeadError`;
-  nothing waits forever;
+  nothing waits forever: a send never blocks (a dead core's process sentinel
+  ends it at once, and SEND_TIMEOUT_S bounds it in all), and aborts sent to a
+  dead core are dropped;
 - `shutdown()` (also on garbage collection and at exit) stops the core and
   leaves no process behind.
 """
@@ -34,6 +37,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 
@@ -44,10 +48,15 @@ from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCor
 from mini_vllm.engine.core import UTILITY_METHODS, EngineCore
 from mini_vllm.engine.core_proc import EngineCoreProc, run_engine_core
 from mini_vllm.engine.exceptions import EngineDeadError
-from mini_vllm.engine.utils import close_core, monitor_core_process, receive_outputs, run_core_thread
+from mini_vllm.engine.utils import (close_core, get_mp_context, monitor_core_process, receive_outputs,
+                                    run_core_thread, spawn_hint)
 from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("mini_vllm")
+# A send that finds no core connected gives up after this long in all (a dead core is
+# seen at once, from its sentinel; this bounds only a core alive but disconnected).
+SEND_TIMEOUT_S = 5.0
+_SEND_POLL_MS = 50
 
 
 class InprocClient:
@@ -94,45 +103,59 @@ class MPClient:
     outputs reach the caller (`_deliver`)."""
 
     def __init__(self, config, executor_class=None, in_thread: bool = False) -> None:
-        self.ctx = zmq.Context()
         name = f"mini-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._socket_files: list[str] = []  # ipc:// paths, removed at shutdown (ZeroMQ leaves them)
         if in_thread:
             in_addr, out_addr = f"inproc://{name}-in", f"inproc://{name}-out"
         else:
             base = os.path.join(tempfile.gettempdir(), name)
+            self._socket_files = [f"{base}-in", f"{base}-out"]
             in_addr, out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
-        self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the caller on a busy core
-        self.input_socket.bind(in_addr)
-        out_sock = self.ctx.socket(zmq.PULL)
-        out_sock.setsockopt(zmq.RCVHWM, 0)
-        out_sock.bind(out_addr)
         self.encoder = MsgpackEncoder()
         self._ids = itertools.count()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._dead: EngineDeadError | None = None
         self._dead_lock = threading.Lock()  # the receiver and the monitor may both report a death
         self._stop = threading.Event()
+        self._core_gone = threading.Event()  # the core's process has exited (set from its sentinel)
         self.proc: multiprocessing.process.BaseProcess | None = None
+        self.start_method: str | None = None  # fork or spawn, for a core in its own process
         self._core_box: list[EngineCoreProc] = []  # in_thread: the core, once built
         self._core_thread: threading.Thread | None = None
-        if in_thread:
-            self._core_thread = threading.Thread(target=run_core_thread, name="EngineCore", daemon=True,
-                                                 args=(self._core_box, config, in_addr, out_addr, self.ctx,
-                                                       executor_class))
-            self._core_thread.start()
-        else:
+        if not in_thread:
+            # Before ZeroMQ starts its I/O threads: fork is safe only in a one-thread process.
+            # The core connects to addresses nobody binds yet; ZeroMQ retries until we do.
             import torch
 
-            self.proc = multiprocessing.get_context("spawn").Process(
+            mp_ctx = get_mp_context()
+            self.start_method = mp_ctx.get_start_method()
+            self.proc = mp_ctx.Process(
                 target=run_engine_core, name="EngineCore", kwargs=dict(
                     config=config, input_address=in_addr, output_address=out_addr,
                     executor_class=executor_class, num_threads=torch.get_num_threads(),
                     log_level=logging.getLogger().getEffectiveLevel(), parent_pid=os.getpid()))
             self.proc.start()
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the caller on a busy core
+        self.input_socket.bind(in_addr)
+        out_sock = self.ctx.socket(zmq.PULL)
+        out_sock.setsockopt(zmq.RCVHWM, 0)
+        out_sock.bind(out_addr)
+        # What a send that finds no core connected waits on: room on the socket, or the
+        # core process's exit (its sentinel, a file descriptor ZeroMQ can poll).
+        self._send_poller = zmq.Poller()
+        self._send_poller.register(self.input_socket, zmq.POLLOUT)
+        if self.proc is not None:
+            self._send_poller.register(self.proc.sentinel, zmq.POLLIN)
+        if in_thread:
+            self._core_thread = threading.Thread(target=run_core_thread, name="EngineCore", daemon=True,
+                                                 args=(self._core_box, config, in_addr, out_addr, self.ctx,
+                                                       executor_class))
+            self._core_thread.start()
         self._threads = [] if self._core_thread is None else [self._core_thread]
         self._finalizer = weakref.finalize(self, close_core, self.proc, self._threads, self._stop,
-                                           self.input_socket, self.ctx)
+                                           self.input_socket, self.ctx, self._socket_files)
         try:
             self.ready: EngineCoreReady = self._handshake(out_sock)
         except BaseException:
@@ -145,8 +168,8 @@ class MPClient:
         self._threads.append(self._receiver)
         self._receiver.start()
         if self.proc is not None:
-            threading.Thread(target=monitor_core_process, args=(me, self.proc, self._stop, self._receiver),
-                             name="EngineCoreMonitor", daemon=True).start()
+            threading.Thread(target=monitor_core_process, name="EngineCoreMonitor", daemon=True,
+                             args=(me, self.proc, self._stop, self._receiver, self._core_gone)).start()
 
     # --------------------------------------------------------------- startup
     def _handshake(self, sock) -> EngineCoreReady:
@@ -155,7 +178,7 @@ class MPClient:
         while not sock.poll(200):
             if self.proc is not None and not self.proc.is_alive():
                 raise EngineDeadError(f"the engine core process exited with status {self.proc.exitcode} "
-                                      "before it was ready (see its log above)")
+                                      f"before it was ready (see its log above){spawn_hint(self.start_method)}")
         kind, data = sock.recv_multipart()
         if kind == EngineCoreOutputType.DEAD.value:
             raise EngineDeadError(f"the engine core failed to start: {MsgpackDecoder(str).decode(data)}")
@@ -186,19 +209,54 @@ class MPClient:
     def is_alive(self) -> bool:
         return self._dead is None and not self._stop.is_set()
 
-    def _send(self, kind: EngineCoreRequestType, payload) -> None:
+    def _check_usable(self) -> None:
         if self._dead is not None:
             raise self._dead
         if self._stop.is_set():
             raise EngineDeadError("the engine core was shut down")
-        self.input_socket.send_multipart([kind.value, self.encoder.encode(payload)], copy=False)
+        if self._core_gone.is_set():  # the monitor reports it (with the cause) within DEAD_GRACE_S
+            raise EngineDeadError(f"the engine core process (pid {self.proc.pid}) has exited")
+
+    def _send(self, kind: EngineCoreRequestType, payload) -> None:
+        """Send one message, or raise `EngineDeadError`: never wait for ever.
+
+        The pipe has no high-water mark, so a send can only fail to go out while no
+        core is connected, and after READY that means the core is gone or going: a
+        blocking send would then wait for ever, with the event loop's thread inside
+        it. So: a non-blocking send; if it cannot go, a poll on the socket and on the
+        core process's sentinel, bounded by SEND_TIMEOUT_S in all."""
+        self._check_usable()
+        frames = [kind.value, self.encoder.encode(payload)]
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            try:
+                self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            events = dict(self._send_poller.poll(_SEND_POLL_MS))
+            if self.proc is not None and self.proc.sentinel in events:
+                self._core_gone.set()
+            if self._core_thread is not None and not self._core_thread.is_alive():
+                self._died(EngineDeadError("the engine core thread has exited"))
+            self._check_usable()
+            if time.monotonic() > deadline:  # alive but not connected: nothing sent can arrive
+                self._died(EngineDeadError(f"the engine core took no message for {SEND_TIMEOUT_S} s "
+                                           "(its input socket is not connected)"))
+                self._check_usable()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
+        """Aborts to a dead core are dropped: its requests died with it (and a caller
+        cleaning up after a client that went away must not fail)."""
+        if not request_ids:
+            return
+        try:
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
+        except EngineDeadError:
+            pass
 
     def _call(self, method: str, args) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

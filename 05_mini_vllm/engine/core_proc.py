@@ -24,7 +24,8 @@ Invariants:
 - every synchronous step sends one `EngineCoreOutputs`, even with no tokens
   in it (a chunk of a prefill): the front end's `step()` is one core step;
 - if a step raises, the core sends DEAD with the error and its process exits
-  with status 1; it also exits when the front end's process is gone.
+  with status 1; it also exits when the front end's process is gone, and then
+  removes the socket files the front end could not.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class EngineCoreProc(EngineCore):
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx, self.parent_pid = ctx, parent_pid
+        self.output_address = output_address
         super().__init__(config, executor_class)
         self._stop = threading.Event()
         self._in_thread = threading.Thread(target=self.process_input_sockets, args=(input_address,),
@@ -126,6 +128,9 @@ class EngineCoreProc(EngineCore):
                 if not sock.poll(1000):
                     if self.parent_pid is not None and os.getppid() != self.parent_pid:
                         logger.error("engine core: the front end (pid %d) is gone; exiting", self.parent_pid)
+                        # It bound the sockets and would have removed their files at its exit.
+                        remove_socket_files(a[len("ipc://"):] for a in (address, self.output_address)
+                                            if a.startswith("ipc://"))
                         self.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
                         return
                     continue
@@ -168,7 +173,12 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
     """The core process's body (vLLM's `EngineCoreProc.run_engine_core`): build the
     core, run the busy loop until SHUTDOWN (or SIGTERM, or the front end's death),
     and exit with 0; on any error tell the front end (DEAD) and exit with 1."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s [core]: %(message)s")
+    from mini_vllm.engine.utils import set_process_title
+
+    set_process_title("EngineCore")
+    # force: a forked core inherits the front end's handlers; its lines say [core].
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s [core]: %(message)s",
+                        force=True)
 
     def _on_term(signum, frame):
         raise SystemExit(0)  # unwinds the loop, so the executor's workers stop too
@@ -197,6 +207,16 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
         # the front end would learn only an exit status instead of the cause.
         ctx.destroy(linger=2000)
     os._exit(status)  # skip torch's interpreter teardown; nothing is left to flush
+
+
+def remove_socket_files(paths) -> None:
+    """ZeroMQ leaves an ipc:// socket's file behind when the socket closes; the
+    side that bound it removes it (or the core, when that side was killed)."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass  # already gone
 
 
 def report_dead(core: EngineCoreProc | None, ctx: zmq.Context, output_address: str, exc: BaseException) -> None:

@@ -1,36 +1,138 @@
-"""The engine core's supervision, on the client's side: the threads that read its
-outputs and watch its process, and the orderly shutdown.
+"""The engine core's supervision, on the client's side: how its process starts,
+the threads that read its outputs and watch its process, and the orderly
+shutdown.
 
 vLLM counterpart: `vllm/v1/engine/utils.py` (process launch and monitoring for
-the core engines) and the helpers of `vllm/v1/engine/core_client.py`.
+the core engines), the helpers of `vllm/v1/engine/core_client.py`, and
+`vllm/utils/system_utils.py` (`get_mp_context`, `_maybe_force_spawn`,
+`set_process_title`).
 
 Invariants:
 - the receiver thread is the only reader of the output socket, and it holds
   the client weakly, so that a client dropped by garbage collection still
   shuts its core down (`close_core` runs from `weakref.finalize`);
 - a core process that exits without a word (SIGKILL, the OOM killer) is
-  reported by `monitor_core_process`, after the receiver has had the chance to
-  deliver a DEAD message naming the cause;
-- `close_core` is idempotent and ends with no core process left.
+  noticed from its sentinel at once (`gone` is set, so that no send waits for
+  it), and reported by `monitor_core_process` after at most DEAD_GRACE_S, the
+  time the receiver gets to deliver a DEAD message naming the cause;
+- `close_core` is idempotent and ends with no core process left and no socket
+  file left;
+- the core process is forked where that is safe (vLLM's default), spawned
+  otherwise, and a main module that spawn cannot import is refused up front.
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import sys
 import threading
 
 import zmq
 
 from mini_vllm.engine import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequestType, UtilityOutput
-from mini_vllm.engine.core_proc import EngineCoreProc, report_dead
+from mini_vllm.engine.core_proc import EngineCoreProc, remove_socket_files, report_dead
 from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.serial_utils import MsgpackDecoder
 
 logger = logging.getLogger("mini_vllm")
+# How long a dead core's DEAD message (its cause) may still take to be read once its
+# process has exited: the core flushes it before it exits, so it is already here.
+DEAD_GRACE_S = 0.25
+MP_METHOD_ENV = "MINI_VLLM_WORKER_MULTIPROC_METHOD"
+_MP_METHODS = ("fork", "spawn", "forkserver")
 
 
-def close_core(proc, threads: list, stop: threading.Event, sock, ctx) -> None:
-    """Stop the core, then the client's threads, then release the sockets (also run
-    by `weakref.finalize`); `threads`: the core's thread (in_thread) and the receiver."""
+def _fork_hazard() -> str | None:
+    """Why forking this process now could hang or break the child, or None.
+
+    fork copies the calling thread only: a lock another thread holds stays held in
+    the child for ever. That is what happens to OpenMP's thread pool once PyTorch
+    has run a parallel op here (the child's first parallel op hangs), and to the
+    CUDA driver once it is initialised (vLLM's `_maybe_force_spawn`)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "CUDA is initialised in this process"
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return "this platform cannot tell whether the process is single-threaded (no /proc)"
+    if threads > 1:
+        return f"this process runs {threads} threads (OpenMP's pool, once PyTorch ran a parallel op, or others)"
+    return None
+
+
+def get_mp_context() -> multiprocessing.context.BaseContext:
+    """The start method of the engine core process (vLLM's `get_mp_context`).
+
+    MINI_VLLM_WORKER_MULTIPROC_METHOD chooses (fork, spawn or forkserver); unset,
+    fork where it is safe (Linux, one thread, no CUDA: start-up skips re-importing
+    torch and the main module), spawn otherwise. An explicit fork where it is not
+    safe becomes spawn when CUDA is initialised, as in vLLM, and is kept, with a
+    warning, otherwise (the user asked for it)."""
+    method = os.environ.get(MP_METHOD_ENV)
+    if method is not None and method not in _MP_METHODS:
+        raise ValueError(f"{MP_METHOD_ENV} must be one of {list(_MP_METHODS)}, got {method!r}")
+    hazard = _fork_hazard() if method in (None, "fork") else None
+    if method is None:
+        method = "fork" if sys.platform == "linux" and hazard is None else "spawn"
+        if hazard is not None:
+            logger.info("starting the engine core with spawn, not fork: %s", hazard)
+    elif method == "fork" and hazard is not None:
+        if "CUDA" in hazard:
+            logger.warning("%s=fork overridden with spawn: %s", MP_METHOD_ENV, hazard)
+            method = "spawn"
+        else:
+            logger.warning("%s=fork although %s: the engine core may hang at its first parallel op",
+                           MP_METHOD_ENV, hazard)
+    if method != "fork":
+        check_main_importable(method)
+    return multiprocessing.get_context(method)
+
+
+def check_main_importable(method: str) -> None:
+    """spawn (and forkserver) run the main module again in the child: refuse, with
+    the fix, a main module that cannot be found again (a script read from stdin)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main.__spec__, "name", None) is not None:
+        return  # `python -m pkg.mod`: the child imports it by name
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path):
+        return  # an interactive session or `python -c` (nothing to re-run), or a file
+    raise RuntimeError(
+        f"the engine core process would be started with {method}, which imports the main module again, and "
+        f"the main module {path!r} is not a file it can import (a script read from stdin?). Save the script "
+        f"to a file and put the code that builds the engine under `if __name__ == \"__main__\":`, or set "
+        f"{MP_METHOD_ENV}=fork in a process that has not started threads yet")
+
+
+def spawn_hint(method: str) -> str:
+    """What to check when a core started with `method` died before it was ready."""
+    main = sys.modules.get("__main__")
+    if method == "fork" or getattr(main, "__file__", None) is None:
+        return ""
+    return (f"; it was started with {method}, which imports the main module ({main.__file__}) again: code "
+            "that builds an engine must sit under `if __name__ == \"__main__\":`")
+
+
+def set_process_title(name: str) -> None:
+    """Name this process (its /proc/PID/comm, shown by ps and top), as vLLM names its
+    core "EngineCore": a forked core's command line is its parent's."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # a name is a convenience
+
+
+def close_core(proc, threads: list, stop: threading.Event, sock, ctx, socket_files=()) -> None:
+    """Stop the core, then the client's threads, then release the sockets and remove
+    their files (also run by `weakref.finalize`, so at exit too); `threads`: the
+    core's thread (in_thread) and the receiver."""
     if stop.is_set():
         return
     stop.set()
@@ -51,6 +153,7 @@ def close_core(proc, threads: list, stop: threading.Event, sock, ctx) -> None:
             t.join(10)
     sock.close(linger=0)
     ctx.destroy(linger=0)
+    remove_socket_files(socket_files)
 
 
 def run_core_thread(box: list, config, in_addr, out_addr, ctx, executor_class) -> None:
@@ -101,15 +204,18 @@ def receive_outputs(client_ref, sock, stop: threading.Event) -> None:
         sock.close(linger=0)
 
 
-def monitor_core_process(client_ref, proc, stop: threading.Event, receiver: threading.Thread) -> None:
-    """The process may die without a word (SIGKILL, the OOM killer)."""
+def monitor_core_process(client_ref, proc, stop: threading.Event, receiver: threading.Thread,
+                         gone: threading.Event) -> None:
+    """The process may die without a word (SIGKILL, the OOM killer): its sentinel
+    says so at once. `gone` is set first, so that no send waits for a dead core."""
     from multiprocessing.connection import wait
 
     wait([proc.sentinel])
-    proc.join(5)  # reap it: the exit status is known only then
+    gone.set()
     # A core that died of an error sent DEAD with the cause before it exited: let the
     # receiver deliver it (it stops after DEAD) rather than report a bare exit status.
-    receiver.join(2.0)
+    receiver.join(DEAD_GRACE_S)
+    proc.join(1)  # reaps it (it has exited: at once); the exit status is known only then
     client = client_ref()
     if client is not None and not stop.is_set():
         client._died(EngineDeadError(f"the engine core process (pid {proc.pid}) exited with status "
