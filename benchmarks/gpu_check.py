@@ -12,7 +12,9 @@ versions in `gpu_check_parts/environment.py`, checked first) and imports
   cuda_tests    every test file that runs on the GPU when there is one, plus the
                 engine parity and invariance tests on CUDA with the triton backend
   throughput    a random Qwen3-0.6B-shaped bf16 checkpoint on nano-vllm's workload:
-                engine vs HF generate (static batches, continuous batching), greedy check
+                engine vs HF generate (static batches, continuous batching), greedy check;
+                the roofline of the engine's own schedule (bytes, FLOPs, floor per step,
+                engine time / floor by phase, a profiler window per phase)
   attention_bw  decode attention bytes/s against the device's peak
   cudagraphs    eager vs FULL vs PIECEWISE vs FULL_AND_PIECEWISE: start-up, decode step
                 wall vs busy time, tokens against the eager engine's
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
 
         runs = {"cuda_tests": lambda: cuda_tests.run(args.out, args.device, args.small, tests_timeout(),
                                                      engine_first=args.budget_s is not None),
-                "throughput": lambda: throughput.run(str(model_dir), plan),
+                "throughput": lambda: throughput.run(str(model_dir), plan, info["name"]),
                 "cudagraphs": lambda: cudagraphs.run(str(model_dir), plan, vocab),
                 "attention_bw": lambda: attention_bw.run(plan, info["name"]),
                 "step_profile": lambda: step_profile.run(str(model_dir), plan, vocab),

@@ -21,7 +21,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the script's sections live there, not in the package
 
-from gpu_check_parts import attention_bw, cuda_tests, environment, greedy_check, step_profile  # noqa: E402
+from gpu_check_parts import attention_bw, cuda_tests, environment, greedy_check, roofline, step_profile  # noqa: E402
+from gpu_check_parts import report as report_part  # noqa: E402
+from gpu_check_parts.checkpoint import QWEN3_0_6B  # noqa: E402
 from gpu_check_parts.plan import make_plan  # noqa: E402
 from gpu_check_parts.throughput import nano_vllm_workload  # noqa: E402
 
@@ -84,8 +86,23 @@ def test_small_cpu_run_fills_every_section(report):
     assert (m["bytes_per_block"], m["num_gpu_blocks"]) == (per_block, plan.kv_cache_memory_bytes // per_block), \
         "the KV block count must be the byte budget divided by 2 x layers x block x kv_heads x head_dim x 2 bytes"
 
-    assert [g["name"] for g in r["goals"]] == ["engine_over_hf_static", "decode_attention_fraction_of_peak",
-                                               "batch1_step_wall_over_busy"]
+    rf = tp["engine"]["roofline"]
+    reqs = nano_vllm_workload(plan.num_requests, plan.prompt_len, plan.output_len, plan.max_token_id)
+    # Every prompt token is computed once, and every output token but the last is fed back once.
+    assert sum(ph["tokens"] for ph in rf["phases"].values()) == sum(len(p) + m - 1 for p, m in reqs), \
+        "the schedule recorder missed or double-counted steps of the timed run"
+    assert rf["phases"]["prefill"]["tokens"] >= sum(len(p) for p, _ in reqs) and rf["phases"]["decode"]["steps"] > 0
+    assert 0 < rf["floor_s"] <= rf["wall_s"] and rf["engine_over_floor"] >= 1, "a floor above the engine's own time"
+    for name in ("prefill", "decode"):
+        w = rf["windows"][name]
+        assert w["steps"] == plan.roofline_profile_steps and set(w["phases"]) == {name}, \
+            f"the {name} profiler window must hold {plan.roofline_profile_steps} steps of its phase only: {w}"
+        assert w["busy_ms_per_step"] > 0 and w["top_kernels"] and w["gemm_fraction_of_peak"] > 0
+    assert "### Roofline of the throughput run" in (out / "report.md").read_text()
+    assert all(row["engine_vs_decode_max_diff"] < 1e-2 for row in a["rows"]), \
+        "the launch the engine makes for a decode batch (split-KV when small) must agree with the decode kernel"
+
+    assert [g["name"] for g in r["goals"]] == [g[0] for g in report_part.GOALS]
     assert all(g["met"] is None for g in r["goals"]), "speed goals must not be judged on a CPU run"
     md = (out / "report.md").read_text()
     for heading in ("## Verdict", "## Goals", "## CUDA tests", "## Throughput", "## Decode attention bandwidth",
@@ -204,3 +221,34 @@ def test_runtime_modules_are_checked_and_carried_wheels_only_installed_when_need
     assert environment.install_wheels(tmp_path) == [], "nothing is missing here, so no wheel may be installed"
     assert environment.install_wheels(tmp_path / "absent") == []
     assert sys.path == path_before, "install_wheels changed sys.path although it installed nothing"
+
+
+def test_roofline_costs_a_step_as_counted_by_hand():
+    m = roofline.ModelCost.from_config(QWEN3_0_6B, dtype_bytes=2)
+    assert m.kv_bytes_per_token == 112 * 1024, "K and V x 28 layers x 8 KV heads x 128 x 2 bytes is 112 KiB"
+    # per layer: q 1024x2048, k and v 1024x1024 each, o 2048x1024, gate/up/down 1024x3072 each
+    linear = 28 * (2 * 1024 * 2048 + 2 * 1024 * 1024 + 3 * 1024 * 3072)
+    assert m.linear_params == linear == 440_401_920
+    assert m.weight_bytes == 2 * (linear + 151_936 * 1024), "weights read a step: every linear and the LM head"
+    # a decode at 100 cached tokens beside a 50-token prefill chunk from scratch; both sample
+    step = roofline.StepRecord(t=0.0, seqs=[(100, 1), (0, 50)], sampled=2, prompt_tokens=50)
+    c = roofline.step_cost(m, step)
+    assert c["kv_read"] == (101 + 50) * 114_688 and c["kv_write"] == 51 * 114_688
+    assert c["logits"] == 2 * 2 * 4 * 151_936, "fp32 logits written and read once per sampled row"
+    # keys seen: the decode 101; the chunk 1 + 2 + ... + 50 = 1275
+    assert c["flops"] == 2 * linear * 51 + 2 * 151_936 * 1024 * 2 + 4 * 28 * 16 * 128 * (101 + 1275)
+    # bytes dominate: the floor is bytes / bandwidth unless the FLOP peak is tiny
+    assert roofline.floor_s(c, 1e12, 1e15) == pytest.approx(c["bytes"] / 1e12)
+    assert roofline.floor_s(c, 1e12, 1e9) == pytest.approx(c["flops"] / 1e9)
+
+
+def test_roofline_account_splits_phases_and_times_steps_until_the_next():
+    m = roofline.ModelCost.from_config(QWEN3_0_6B, dtype_bytes=2)
+    steps = [roofline.StepRecord(10.0, [(0, 64)], 1, 64), roofline.StepRecord(11.0, [(64, 1)], 1, 0),
+             roofline.StepRecord(11.5, [(65, 1)], 1, 0)]
+    r = roofline.account(m, steps, end_t=12.5, copy_bw=1e12, peak_flops=1e15)
+    assert r["phases"]["prefill"]["steps"] == 1 and r["phases"]["prefill"]["wall_s"] == pytest.approx(1.0)
+    assert r["phases"]["decode"]["steps"] == 2 and r["phases"]["decode"]["wall_s"] == pytest.approx(1.5), \
+        "a step lasts from its schedule to the next one's (the last: to the end of the run)"
+    assert r["floor_s"] == pytest.approx(sum(roofline.floor_s(roofline.step_cost(m, s), 1e12, 1e15) for s in steps))
+    assert r["totals"]["weights"] == 3 * m.weight_bytes

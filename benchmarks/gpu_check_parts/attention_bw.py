@@ -5,10 +5,11 @@ vLLM counterpart: `benchmarks/kernels/benchmark_paged_attention.py`.
 Qwen3-0.6B's attention (16 query / 8 KV heads of 128; `--small`: 4 / 2 of 16),
 bf16, block size 16,
 for every batch size x context length of the plan, through shuffled block
-tables. Two launches of the same kernel body: `decode` (one program per
-sequence and KV head), which the engine's Triton backend launches for a
-pure-decode step, and `varlen` with one query per sequence, which it launches
-for a mixed step (the goal is judged on `decode`). The argument checks
+tables. Three launches: `decode` (one program per sequence and KV head),
+`varlen` with one query per sequence (what a mixed step launches), and
+`engine`, what the engine's Triton backend launches for a pure-decode step:
+the split-KV kernel (`paged_attention_split.py`) when batch x KV heads cannot
+fill the SMs, else `decode` (the goals are judged on `engine`). The argument checks
 (host reads) run once per shape, then the kernel alone is timed with CUDA
 events around `iters` back-to-back launches.
 
@@ -84,6 +85,7 @@ def bytes_moved(batch: int, context: int, block_size: int, heads) -> int:
 
 def run(plan: Plan, device_name: str) -> dict:
     from mini_vllm.kernels import paged_attention as pa
+    from mini_vllm.kernels import paged_attention_split as split
 
     dev, gen = plan.device, torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -100,9 +102,19 @@ def run(plan: Plan, device_name: str) -> dict:
             agree = (a.float() - v.float()).abs().max().item()
             row = {"batch": b, "context": ctx, "bytes": bytes_moved(b, ctx, plan.block_size, plan.attn_heads),
                    "decode_vs_varlen_max_diff": agree}
-            for kind, decode, cu_arg in (("decode", True, None), ("varlen", False, cu)):
-                sec = _time(lambda: pa._launch(q, kc, vc, table, seq_lens, cu_arg, scale, decode=decode),
-                            plan.attn_iters, dev)
+            # What the engine's Triton backend launches for a pure-decode step of this batch:
+            # the split-KV kernel when the batch cannot fill the device, else the decode kernel.
+            segments = split.num_segments_for(b, plan.attn_heads[1], split.device_parallelism(q.device))
+            e = split.paged_attention_decode_split(q, kc, vc, table, seq_lens, scale, num_segments=segments)
+            row["engine_vs_decode_max_diff"] = (e.float() - a.float()).abs().max().item()
+            row["segments"] = segments
+            ws = split.SplitKVWorkspace.allocate(b, plan.attn_heads[0], plan.attn_heads[2], segments, q.device)
+            launches = {"decode": lambda: pa._launch(q, kc, vc, table, seq_lens, None, scale, decode=True),
+                        "varlen": lambda: pa._launch(q, kc, vc, table, seq_lens, cu, scale, decode=False),
+                        "engine": (lambda: split.split_kv_launch(q, kc, vc, table, seq_lens, scale, segments, ws))
+                        if segments > 1 else (lambda: pa._launch(q, kc, vc, table, seq_lens, None, scale, decode=True))}
+            for kind, launch in launches.items():
+                sec = _time(launch, plan.attn_iters, dev)
                 bw = row["bytes"] / sec
                 row[kind] = {"us": sec * 1e6, "bytes_per_s": bw, "fraction_of_peak": bw / peak if peak else None,
                              "fraction_of_copy": bw / copy}

@@ -34,6 +34,8 @@ class Plan:
     # greedy check: the first requests, exact tokens over a prefix of each
     greedy_requests: int = 4
     greedy_exact_tokens: int = 64
+    # roofline: profiled steps per phase window (prefill-carrying, pure decode)
+    roofline_profile_steps: int = 4
     # decode attention bandwidth: (query heads, KV heads, head_dim), batch sizes x context lengths
     attn_heads: tuple[int, int, int] = (16, 8, 128)
     attn_batches: tuple[int, ...] = (1, 8, 64, 256)
@@ -43,7 +45,7 @@ class Plan:
     # step profile: decode steps at these batch sizes, prompts of profile_prompt_len
     profile_batches: tuple[int, ...] = (1, 8, 64, 256)
     profile_steps: int = 5
-    profile_prompt_len: int = 128
+    profile_prompt_len: int = 512  # the batch-1 goal is stated at 512 tokens of context
     # eager vs CUDA graph modes: each engine's KV cache (small: quick start-up)
     graph_kv_bytes: int = 4 << 30
     # the pytest subset
@@ -69,7 +71,7 @@ def make_plan(device: str, small: bool, budget_s: float | None = None) -> Plan:
                 kv_cache_memory_bytes=16 << 20, graph_kv_bytes=16 << 20, hf_batch_sizes=(2, 4), hf_budget_s=30.0,
                 hf_continuous_budget_s=30.0, greedy_requests=2, greedy_exact_tokens=4, attn_heads=(4, 2, 16),
                 attn_batches=(1, 2), attn_contexts=(16, 32), attn_goal_shape=(2, 32), attn_iters=1,
-                profile_batches=(1, 2), profile_steps=2, profile_prompt_len=8, tests_timeout_s=120.0,
+                profile_batches=(1, 2), profile_steps=2, profile_prompt_len=8, roofline_profile_steps=2, tests_timeout_s=120.0,
                 deadline_s=300.0)
 
 

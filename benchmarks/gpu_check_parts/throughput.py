@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gpu_check_parts import greedy_check, hf_baselines
+from gpu_check_parts import attention_bw, greedy_check, hf_baselines, roofline, roofline_profile
 from gpu_check_parts.plan import Plan, engine_args, free_device_memory
 
 
@@ -30,7 +30,7 @@ def nano_vllm_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[in
     return [(p, rng.randint(*output_len)) for p in prompts]
 
 
-def _engine_run(model_dir: str, plan: Plan, reqs) -> tuple[dict, list[list[int]]]:
+def _engine_run(model_dir: str, plan: Plan, reqs, device_name: str) -> tuple[dict, list[list[int]]]:
     from mini_vllm import LLM, SamplingParams
 
     llm = LLM(model_dir, **engine_args(plan))
@@ -41,15 +41,31 @@ def _engine_run(model_dir: str, plan: Plan, reqs) -> tuple[dict, list[list[int]]
     llm.generate([{"prompt_token_ids": [1 + i, 2, 3]} for i in range(warm)],
                  [SamplingParams(max_tokens=1 + i, temperature=0, ignore_eos=True) for i in range(warm)],
                  use_tqdm=False)
+    # The roofline's bandwidth and FLOP peak, and its profiler windows on a copy of the
+    # workload drawn with another seed (no prefix-cache hits on the timed prompts).
+    cost = roofline.ModelCost.from_config(roofline.config_of(model_dir), dtype_bytes=2)
+    copy_bw = attention_bw.copy_bandwidth(plan.device, plan.small)
+    measured = roofline.measured_matmul_flops(plan.device, plan.small)
+    published = roofline.published_flops(device_name) if plan.device == "cuda" else None
+    peak = published or measured
+    other = nano_vllm_workload(plan.num_requests, plan.prompt_len, plan.output_len, plan.max_token_id, seed=1)
+    windows = roofline_profile.profile_windows(llm, cost, other, plan.roofline_profile_steps, plan.device,
+                                               copy_bw, peak)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+    core = llm.llm_engine.engine_core.engine_core
+    recorder = roofline.ScheduleRecorder(core.scheduler)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    seconds = end - start
+    recorder.close()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n_out = sum(len(t) for t in tokens)
     wrong = [i for i, (t, (_, m)) in enumerate(zip(tokens, reqs)) if len(t) != m]
-    core = llm.llm_engine.engine_core.engine_core
-    result = {"seconds": seconds, "output_tokens": n_out, "tok_per_s": n_out / seconds,
+    rf = roofline.account(cost, recorder.steps, end, copy_bw, peak)
+    rf.update(peak_source="published dense bf16" if published else "measured matmul", measured_matmul_flops=measured,
+              windows=windows, engine_over_floor=seconds / rf["floor_s"] if rf["floor_s"] else None)
+    result = {"seconds": seconds, "output_tokens": n_out, "tok_per_s": n_out / seconds, "roofline": rf,
               "num_gpu_blocks": core.num_gpu_blocks, "preemptions": core.scheduler.num_preemptions,
               "requests_with_wrong_length": wrong}
     llm.shutdown()
@@ -57,7 +73,7 @@ def _engine_run(model_dir: str, plan: Plan, reqs) -> tuple[dict, list[list[int]]
     return result, tokens
 
 
-def run(model_dir: str, plan: Plan) -> dict:
+def run(model_dir: str, plan: Plan, device_name: str = "") -> dict:
     from transformers import AutoModelForCausalLM
 
     dev = plan.device
@@ -67,7 +83,7 @@ def run(model_dir: str, plan: Plan) -> dict:
                         "output_len": list(plan.output_len), "max_token_id": plan.max_token_id,
                         "sampling": "greedy, ignore_eos"},
            "engine_args": engine_args(plan)}
-    out["engine"], tokens = _engine_run(model_dir, plan, reqs)
+    out["engine"], tokens = _engine_run(model_dir, plan, reqs, device_name)
     free_device_memory(dev)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
