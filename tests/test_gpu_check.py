@@ -252,3 +252,14 @@ def test_roofline_account_splits_phases_and_times_steps_until_the_next():
         "a step lasts from its schedule to the next one's (the last: to the end of the run)"
     assert r["floor_s"] == pytest.approx(sum(roofline.floor_s(roofline.step_cost(m, s), 1e12, 1e15) for s in steps))
     assert r["totals"]["weights"] == 3 * m.weight_bytes
+
+
+def test_model_free_schedule_computes_every_token_once():
+    reqs = nano_vllm_workload(12, (5, 40), (3, 20), 500, seed=3)
+    steps = roofline.model_free_schedule(reqs, num_blocks=200, block_size=16, max_num_seqs=8,
+                                         max_num_batched_tokens=64, max_model_len=128)
+    assert sum(n for s in steps for _, n in s.seqs) == sum(len(p) + m - 1 for p, m in reqs), \
+        "every prompt token is computed once and every output token but the last fed back once"
+    assert sum(s.sampled for s in steps) == sum(m for _, m in reqs), "one sampled row per output token"
+    assert all(len(s.seqs) <= 8 and sum(n for _, n in s.seqs) <= 64 for s in steps), "the step budgets were ignored"
+    assert sum(s.prompt_tokens for s in steps) == sum(len(p) for p, _ in reqs)

@@ -181,3 +181,34 @@ def config_of(model_dir: str) -> dict:
     from pathlib import Path
 
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def model_free_schedule(reqs, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        max_model_len: int) -> list[StepRecord]:
+    """The steps the engine's scheduler (Chapter 3, no model) makes for `reqs`
+    [(prompt ids, max_tokens)] with this KV pool: the schedule whose floor the
+    GPU run is judged by, computed on any CPU. Timestamps are step indices."""
+    from mini_vllm.scheduler import Scheduler, SchedulerConfig
+    from mini_vllm.scheduler.output import ModelRunnerOutput
+    from mini_vllm.scheduler.request import Request, SamplingParams
+
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len)
+    sched = Scheduler(config, num_blocks, block_size, enable_prefix_caching=False)
+    live = {}
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        r = Request(str(i), list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        sched.add_request(r)
+        live[r.request_id] = r
+    rec = ScheduleRecorder(sched)
+    try:
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            if not out.num_scheduled_tokens:
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            rec.steps[-1].t = float(len(rec.steps) - 1)  # a step index: no clock in a model-free run
+            sampled = {rid: [1] if rid in out.sampling_req_ids else [] for rid in out.num_scheduled_tokens}
+            sched.update_from_output(out, ModelRunnerOutput.from_dict(sampled))
+    finally:
+        rec.close()
+    return rec.steps
