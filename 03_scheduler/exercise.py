@@ -7,18 +7,27 @@ mistake it catches. Stuck? `03_scheduler/HINTS.md` has hints in three levels,
 from the idea to the last push before the solution; read only as much as
 you need.
 
-You write four methods:
-- `StepState.schedule_running`: give a running request its Δ, preempting
-  others (or itself) until its KV blocks fit;
-- `StepState.pick_victim`: which running request to preempt;
-- `StepState.try_admit`: admit one waiting request if its first chunk fits;
-- `Scheduler.schedule`: the step loop (fcfs / priority, then srtf / two_level).
-Then two short ones, the placeholder rule of asynchronous scheduling (the
-next step is scheduled before this one's tokens are back;
-`tests/test_ch3_async_placeholders.py`):
-- `Scheduler._update_after_schedule`: advance a scheduled request; count a
-  placeholder for the token its step will sample;
-- `Scheduler._replace_placeholder`: that token arrived.
+You write six methods, and every step calls all six, asynchronous or not:
+`schedule()` decides the plan with the three `StepState` methods, `_apply_plan`
+(given) calls `_update_after_schedule` for each scheduled request, and
+`update_from_output` (given) calls `_replace_placeholder` for each request that
+sampled. So the order that runs is the order to write them in:
+1. the two short ones first, in their synchronous form (without them no test
+   of `tests/test_ch3_examples.py` can pass):
+   - `Scheduler._update_after_schedule`: advance a scheduled request by its Δ;
+     say whether this step samples for it;
+   - `Scheduler._replace_placeholder`: a sampled token arrived (synchronous
+     scheduling holds no placeholder: nothing to do);
+2. the four decisions:
+   - `StepState.schedule_running`: give a running request its Δ, preempting
+     others (or itself) until its KV blocks fit;
+   - `StepState.pick_victim`: which running request to preempt;
+   - `StepState.try_admit`: admit one waiting request if its first chunk fits;
+   - `Scheduler.schedule`: the step loop (fcfs / priority, then srtf / two_level);
+3. back to the two short ones for the placeholder rule of asynchronous
+   scheduling (the next step is scheduled before this one's tokens are back;
+   `tests/test_ch3_async_placeholders.py`): a placeholder, and placeholder
+   drafts, for each token a step that samples puts in flight.
 
 A step has two phases: a `StepState` decides a plan (Δ per request, victims,
 admissions; it takes and frees KV slots as it decides, but changes neither
@@ -119,8 +128,9 @@ class Scheduler(SchedulerBase):
             "placeholder for the sampled token and one per draft scheduled in this step (positions past "
             "the known and in-flight ones), until they arrive or are rejected; and since the next step is "
             "decided before they are known, req.spec_token_ids becomes self.config.num_spec_tokens "
-            "PLACEHOLDER_TOKEN_IDs when req.spec_decode (the runner fills them). Otherwise its drafts are consumed "
-            "(req.spec_token_ids empty). Either way req.num_computed_tokens has advanced by d.")
+            "PLACEHOLDER_TOKEN_IDs when req.spec_decode (the runner fills them). Both only when this step samples for "
+            "req: a step that samples nothing (a mid-prefill chunk) puts nothing in flight. Otherwise its drafts are "
+            "consumed (req.spec_token_ids empty). Either way req.num_computed_tokens has advanced by d.")
 
     def _replace_placeholder(self, req, sampled: list[int]) -> bool:
         """TODO: the tokens `sampled` of one step arrived for `req`; True if they fill a placeholder."""

@@ -176,6 +176,16 @@ MUTANTS: list[Mutant] = [
         why="under async speculation the next step is scheduled without drafts: speculation stops",
     ),
     Mutant(
+        name="placeholder_drafts_on_a_step_that_does_not_sample",
+        path=SCHED,
+        old="""            if req.spec_decode:
+                req.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.config.num_spec_tokens""",
+        new="""        if self.config.async_scheduling and req.spec_decode:
+                req.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.config.num_spec_tokens""",
+        tests=["tests/test_ch3_async_placeholders.py"],
+        why="a mid-prefill chunk (no sample) gets placeholder drafts: drafts to verify against prompt positions",
+    ),
+    Mutant(
         name="rejected_draft_placeholders_kept",
         path=SCHED_BASE,
         old="                req.num_output_placeholders -= rejected",

@@ -190,3 +190,24 @@ def test_async_with_drafts_emits_the_synchronous_tokens(mod):
     assert all(r.num_output_placeholders == 0 for r in reqs), \
         "a placeholder outlived its step: a rejected draft's placeholder was never given back"
     assert s.kv_cache_manager.usage == 0.0, "blocks leaked after every request finished"
+
+
+def test_a_mid_prefill_chunk_gets_no_placeholder_drafts(mod):
+    """A step that does not sample (a chunk that stops short of the prompt's end) puts no
+    token in flight, so it gets no placeholder and no placeholder drafts: the request has
+    no draft to verify until a step of it has sampled. Drafts scheduled on a mid-prefill
+    chunk would be verified against positions that are still prompt."""
+    cfg = mod.SchedulerConfig(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4,
+                              async_scheduling=True, num_spec_tokens=K)
+    s = mod.Scheduler(cfg, 64, 4, enable_prefix_caching=False)
+    req = mod.Request("long", list(range(3, 23)), mod.SamplingParams(max_tokens=4), eos_token_id=1)
+    s.add_request(req)
+    so = s.schedule()  # 8 of 20 prompt tokens: no sample
+    assert so.num_scheduled_tokens == {"long": 8} and "long" not in so.sampling_req_ids
+    assert req.num_output_placeholders == 0, "a placeholder was counted for a step that samples nothing"
+    assert req.spec_token_ids == [], (
+        f"a mid-prefill chunk gave the request placeholder drafts {req.spec_token_ids}: drafts (and their "
+        "placeholders) belong only to a step that samples")
+    so2 = s.schedule()  # the next chunk, scheduled before the first one's (empty) output is back
+    assert not so2.scheduled_spec_decode_tokens.get("long"), \
+        "drafts scheduled for a request that is still in its prompt"
