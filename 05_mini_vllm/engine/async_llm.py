@@ -10,10 +10,13 @@ forward pass needs. `MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0` runs the same
 core loop in a thread of this process instead (tests, notebooks).
 
 Invariants:
-- Everything of the front end (processor, output processor, detokenizers,
-  metrics) runs on the event loop's thread: `add_request` validates and
-  sends, and one `output_handler` task turns each core step into outputs.
-  The event loop never waits for a step.
+- The front end (output processor, detokenizers, metrics) runs on the event
+  loop's thread: one `output_handler` task turns each core step into outputs,
+  and the event loop never waits for a step. Input processing (tokenizing,
+  bad words, grammar compilation) runs in the one tokenizer thread
+  (`run_in_tokenizer_thread`, vLLM's `_tokenizer_executor`): a 2 MB prompt
+  takes seconds to tokenize, which would stall every stream; a single thread,
+  since a fast tokenizer's encode must not run twice at once.
 - Each request owns an `asyncio.Queue`; a request is registered before it is
   sent, so no output can be missed.
 - Messages reach the core in call order: a request aborted (`abort`, or a
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncGenerator, Callable
 
 from mini_vllm.config import EngineConfig
@@ -72,6 +76,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopped = False
+        self.tokenizer_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mini-vllm-tokenizer")
         m = engine.metrics
         self._cursor = [m.num_prompt_tokens, m.num_generation_tokens, len(m.ttfts), len(m.itls),
                         len(m.e2e_latencies), len(m.finished), len(m.iteration_tokens)]
@@ -120,7 +125,10 @@ class AsyncLLM:
         stream = RequestOutputStream(self, rid)
         self._queues[rid] = stream.queue  # registered before the add, so no output can be missed
         try:
-            self.engine.add_request(rid, prompt, sampling_params, priority=priority, output_kind=output_kind)
+            request = await self.run_in_tokenizer_thread(self.engine.processor.process_inputs, rid, prompt,
+                                                         sampling_params, None, priority)
+            self._check_alive()  # the engine may have died while the prompt was tokenized
+            self.engine.add_request(rid, request, None, priority=priority, output_kind=output_kind)
         except BaseException:
             self._queues.pop(rid, None)
             raise
@@ -156,6 +164,12 @@ class AsyncLLM:
             if q is not None:
                 q.put_nowait(ABORTED)
 
+    async def run_in_tokenizer_thread(self, fn, *args):
+        """`fn(*args)` in the tokenizer thread, awaited: what tokenizes (or renders a
+        chat template) off the event loop, one call at a time."""
+        self._check_alive()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
+
     async def call_utility(self, method: str, *args):
         """A read-only question to the core (`core.UTILITY_METHODS`), answered
         between two steps, after every message sent before it."""
@@ -169,6 +183,7 @@ class AsyncLLM:
         self._stopped = True
         if self._output_task is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._output_task.cancel)
+        self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()
         self._fail_all(EngineDeadError("the engine was shut down"))
 

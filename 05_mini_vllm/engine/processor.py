@@ -6,7 +6,8 @@ the tokenizer loading of `vllm/transformers_utils/tokenizer.py` and the
 bad-words tokenization of `SamplingParams.update_from_tokenizer`.
 
 `Processor.process_inputs` is the only place a request is checked: it
-tokenizes a text prompt, checks the tokens against the vocabulary and the
+refuses a text prompt longer than the context can hold in characters (before
+tokenizing it, as vLLM does), tokenizes a text prompt, checks the tokens against the vocabulary and the
 context, checks what only the engine can check in the params (vocabulary,
 tokenizer, grammar, `max_logprobs`) and returns an `EngineCoreRequest` whose
 params are final (defaults filled in, bad words as token ids, `max_tokens`
@@ -81,6 +82,25 @@ class Processor:
         # than the whole pool could never run, so it is refused here, not in the core.
         self.num_gpu_blocks = num_gpu_blocks
         self.eos_token_id = eos_token_id
+        # vLLM's `max_chars_per_token` (`get_cached_tokenizer`): no token covers more
+        # characters of text than its vocabulary entry has, so a text longer than
+        # max_model_len times this cannot fit, and is refused without tokenizing it.
+        self.max_chars_per_token = None if tokenizer is None else max(map(len, tokenizer.get_vocab()), default=1)
+
+    def check_text_length(self, name: str, text: str) -> None:
+        """ValueError naming `name` when `text` has more characters than a prompt that
+        fits the context can have (vLLM's `_text_len_check`, before tokenizing: a
+        2 MB prompt would otherwise cost seconds of tokenizing to be refused)."""
+        if self.max_chars_per_token is None:
+            return
+        max_input = self.max_model_len - 1  # a prompt must leave room for one output token
+        max_chars = max_input * self.max_chars_per_token
+        if len(text) > max_chars:
+            raise ValueError(f"{name} is too long: you passed {len(text)} input characters. However, the "
+                             f"model's context length is only {self.max_model_len} tokens, resulting in a "
+                             f"maximum input length of {max_input} tokens (at most {max_chars} characters: "
+                             f"{self.max_chars_per_token} per token, the tokenizer's longest). Please reduce "
+                             "the length of the input prompt.")
 
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | None,
                        arrival_time: float | None = None, priority: int = 0) -> EngineCoreRequest:
@@ -104,6 +124,7 @@ class Processor:
             check_encodable("prompt", prompt)  # the tokenizer would raise a TypeError deep inside
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
+            self.check_text_length("prompt", prompt)
             text, ids = prompt, list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)

@@ -51,16 +51,18 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
-    async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation (ValueError when no template is known).
+    async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                     bounded: bool = True) -> list[int]:
+        """Token ids of a conversation (ValueError when no template is known, or, with
+        `bounded`, when the rendered prompt has more characters than the context holds).
 
-        Encoding runs on the event loop's thread, where the processor encodes too: a
-        fast tokenizer's encode mutates its padding/truncation state, so two threads
-        must never encode at once."""
+        Runs in the engine's tokenizer thread: rendering and encoding a big
+        conversation take seconds, which the event loop must not wait for."""
         conv = [m.for_template() for m in messages]
-        return self._render(conv, add_generation_prompt, tools)
+        return await self.engine.run_in_tokenizer_thread(self._render, conv, add_generation_prompt, tools, bounded)
 
-    def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None,
+                bounded: bool = True) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
@@ -69,14 +71,14 @@ class OpenAIServingChat(OpenAIServing):
                              "start the server with --chat-template")
         from jinja2 import TemplateError
 
-        try:
-            ids = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, tools=tools)
+        try:  # the text first, then its tokens: what apply_chat_template(tokenize=True) does
+            text = tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, tools=tools)
         except TemplateError as e:  # e.g. a template that raises on a role order it rejects
             raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        if bounded:  # refused before the costly part, as a text prompt is
+            self.engine.engine.processor.check_text_length("messages", text)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected=None):
         if (err := self.models.check(req.model)) is not None:
