@@ -1,4 +1,4 @@
-"""Chapter 5 exercise: the model runner's headline, then the sampler's filters.
+"""Chapter 5 exercise: the model runner's headline, the sampler's filters, EAGLE's proposer.
 
 Fill in the stubs, then run the chapter's tests against them with
     .venv/bin/pytest -q tests/test_ch5_*.py --impl=exercise
@@ -20,7 +20,8 @@ Part 2, the sampler's filters (vLLM: `vllm/v1/sample/ops/topk_topp_sampler.py`):
 Part 3, EAGLE's proposer (vLLM: `vllm/v1/spec_decode/eagle.py`): `EagleProposer.propose`,
 the input shift and the k-step draft loop, run in real engines by `plug_eagle` (its
 drafts must equal a plain-PyTorch reference's, greedy tokens must not change, and
-sampling must stay lossless; `tests/test_ch5_eagle.py`).
+sampling must stay lossless). Its own command, while you work on it:
+    .venv/bin/pytest -q tests/test_ch5_eagle.py --impl=exercise
 
 Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
 rows, condensing on removal; `add_request` also writes the request's sampling

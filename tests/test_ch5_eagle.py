@@ -110,6 +110,24 @@ def _record_drafts(llm, monkeypatch) -> list[tuple[str, list[int], list[int]]]:
     return seen
 
 
+# What a wrong draft j + 1 points to, when the drafts before it were right (measured with the ch5
+# mutants: `python -m mutants --chapter 5 --only eagle_...`). Draft 1 comes from the head's first
+# pass over the step's kept positions; draft 2 from the chain's first step, the first to feed the
+# head its own output; draft 2 is one past the last position however positions advance, so a
+# wrong advance first shows at draft 3.
+DRAFT_CAUSES = (
+    "the head's first pass is wrong: the hidden state of the wrong position (the state at p must meet "
+    "the token at p + 1), its KV not written (slot_mapping of the kept rows), or draft 1 read from a row "
+    "that is not the request's last kept one",
+    "the chain's first step is wrong, or a first-pass error that draft 1 survived: the head's own output "
+    "not fed back as the next hidden state (the target's fed again), the previous draft not fed at the "
+    "next position, or ids not shifted in the first pass (its last row gets the sampled token either way, "
+    "so only the KV of the earlier positions is wrong)",
+    "positions not advanced by one per chain step (draft 2 sits one past the last position either way), "
+    "or the KV of the earlier drafts not written where the next step reads it",
+)
+
+
 @torch.no_grad()
 def assert_drafts_match_reference(seen, final: dict[str, list[int]], skip=()) -> tuple[int, int]:
     """Every recorded proposal against the reference chain along the final output;
@@ -130,9 +148,8 @@ def assert_drafts_match_reference(seen, final: dict[str, list[int]], skip=()) ->
         want = [int((g[0, L - 2] @ embed.T).argmax()) for g in unroll(ref, embed, ext[None], feats, L - 1, k)]
         for j in range(k):
             assert drafts[j] == want[j], (f"{rid} after {L} tokens: draft {j + 1} is {drafts[j]}, the reference "
-                                          f"chain says {want[j]} (drafts {drafts}, reference {want}): hidden "
-                                          "state of the wrong position, ids not shifted, positions not "
-                                          "advanced, or the head's KV not written")
+                                          f"chain says {want[j]} (drafts {drafts}, reference {want}): "
+                                          + DRAFT_CAUSES[min(j, 2)])
             checked += 1
             if L + j >= len(seq) or seq[L + j] != want[j]:
                 break  # the engine fed its own draft from here on; the reference the true token
