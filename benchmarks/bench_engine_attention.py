@@ -7,8 +7,8 @@ vLLM's kernels the same way, on synthetic paged caches.
 
   cpu     `mini_vllm.kernels.cpu_paged_attention.run_varlen`, what the "cpu"
           backend calls per layer: one launch that reads each K/V block in
-          place, once; on a CPU with AVX512_BF16 the C++ kernel
-          (`kernels/cpu_native.py`) for fp32 and bf16 caches, else numba's
+          place, once; on a CPU with AVX512_BF16 or AVX2 + FMA the C++ kernel
+          (`kernels/cpu_native.py`, that build) for fp32 and bf16 caches, else numba's
   numba   the same call with the C++ kernel switched off: the numba kernel,
           which every other CPU runs (printed where the C++ kernel ran)
   torch   `mini_vllm.attention.torch_attn.attend`, the "torch" backend: a gather of
@@ -284,7 +284,7 @@ def main():
             assert err < tol, f"{name}: {impl} differs from Chapter 1's reference by {err:.2e}"
     print(machine_line([int(t) for t in args.threads.split(",")]))
     reason = cpu_native.unavailable_reason()
-    print("cpu = the C++ kernel for fp32 / bf16 caches, numba for fp16" if reason is None else
+    print(f"cpu = the C++ kernel ({cpu_native.isa()} build) for fp32 / bf16 caches, numba for fp16" if reason is None else
           f"cpu = the numba kernel (the C++ kernel cannot run here: {reason})")
     probe = block_read_library()
     for threads in [int(t) for t in args.threads.split(",")]:

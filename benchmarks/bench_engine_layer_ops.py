@@ -18,9 +18,10 @@ bf16 model's widths (hidden 1,024, intermediate 3,072, 16 + 8 heads of 128): a
 Microseconds, the whole call (checks, allocation, dispatch) included, since on a
 decode step that is most of it.
 
-Last, the bf16 linear layers of that model: oneDNN's packed matmul against the C++
-kernel (kernels/csrc/cpu_gemm.h) that `cpu_ops.linear` runs where this CPU has
-AVX512_BF16, for 1 and 16 rows (decode) and 1,259 (the prefill). Each call cycles
+Last, the bf16 linear layers of that model: oneDNN's packed matmul (F.linear on a CPU
+whose oneDNN packs no bf16: AVX2 only) against the C++ kernel (kernels/csrc/cpu_gemm.h)
+that `cpu_ops.linear` runs where this CPU has AVX512_BF16 or AVX2 + FMA (the build is
+printed), for 1 and 16 rows (decode) and 1,259 (the prefill). Each call cycles
 through COPIES copies of the weight, more than a server L3 holds, so a decode step
 reads its weights from memory as the engine's does. Milliseconds per call, GB/s of
 weight read or GFLOP/s.
@@ -138,7 +139,7 @@ def linear_rows(tokens: int) -> list[tuple[str, float, float, float, float]]:
 
         def run(native_on: bool):
             layers = sides[native_on]
-            kernels = contextlib.nullcontext if native_on else cpu_native.numba_only  # C++ kernels off: oneDNN
+            kernels = contextlib.nullcontext if native_on else cpu_native.numba_only  # C++ off: oneDNN / F.linear
 
             def call():
                 with kernels():
@@ -181,8 +182,9 @@ def main() -> None:
                 print(f"  {name:<28} {a * 1e3:7.1f} -> {b * 1e3:7.1f}  ({a / b:.2f}x)")
         for tokens in (1, 16, 1259):
             unit = "GB/s" if tokens <= 16 else "GFLOP/s"
-            print(f"\n{threads} thread(s), Qwen3-0.6B bf16 linears, {tokens} rows: oneDNN ms -> C++ ms "
-                  f"(oneDNN / C++), {unit}")
+            base = "oneDNN" if torch.bfloat16 in cpu_ops.PACKABLE else "F.linear"
+            print(f"\n{threads} thread(s), Qwen3-0.6B bf16 linears, {tokens} rows: {base} ms -> C++ ms "
+                  f"({base} / C++, the {cpu_native.isa()} build), {unit}")
             for name, a, b, nbytes, flops in linear_rows(tokens):
                 rate = (lambda ms: nbytes / ms / 1e6) if tokens <= 16 else (lambda ms: flops / ms / 1e6)
                 print(f"  {name:<28} {a:7.3f} -> {b:7.3f}  ({a / b:.2f}x)  {rate(a):6.1f} -> {rate(b):6.1f}")

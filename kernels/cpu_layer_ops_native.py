@@ -13,10 +13,10 @@ ctypes call with a pointer to an int64 parameter block, on the calling thread; a
 numba's prange, as the attention kernel's items are (`cpu_native._fan_out`).
 
 Where it runs (`handles`): where the C++ attention kernel runs (`cpu_native.unavailable_reason`
-is None: AVX-512 with BF16, numba targeting the host, a compiler, MINI_VLLM_CPU_ATTN not
-`numba`), outside `cpu_native.numba_only()`, for fp32 and bf16 rows. Elsewhere the numba
-ops of cpu_layer_ops.py run; they stay the reference the tests hold these to, bit for bit
-where the rounding points allow (everything but a norm's sum of squares).
+is None: AVX-512 with BF16 or AVX2 with FMA, a compiler, MINI_VLLM_CPU_ATTN not `numba`), in
+the build `cpu_native.isa()` picks, outside `cpu_native.numba_only()`, for fp32 and bf16
+rows. Elsewhere the numba ops of cpu_layer_ops.py run; they stay the reference the tests hold
+these to, bit for bit where the rounding points allow (everything but a norm's sum of squares).
 
 The callers (cpu_layer_ops.py's public functions) have checked dtypes, shapes and strides;
 these functions only pack pointers. Every output is written whole, so it may be allocated
@@ -60,14 +60,27 @@ def handles(dtype: torch.dtype) -> bool:
             and cpu_native.layer_ops_library(len(PARAMS)) is not None)
 
 
-_worker = types.ExternalFunction("mini_vllm_layer_op_worker", types.void(types.intp, types.int64, types.int64))
+# Each build's worker, by name (numba binds an external function by its symbol).
+_WORKER_TYPE = types.void(types.intp, types.int64, types.int64)
+_worker_avx512 = types.ExternalFunction("mini_vllm_layer_op_worker_avx512", _WORKER_TYPE)
+_worker_avx2 = types.ExternalFunction("mini_vllm_layer_op_worker_avx2", _WORKER_TYPE)
 
 
 @njit(cache=True, parallel=True)
-def _fan_out(params, nthreads):
+def _fan_out_avx512(params, nthreads):
     """Worker w of nthreads computes its slice of the rows (the rows split evenly)."""
     for w in prange(nthreads):
-        _worker(params.ctypes.data, w, nthreads)
+        _worker_avx512(params.ctypes.data, w, nthreads)
+
+
+@njit(cache=True, parallel=True)
+def _fan_out_avx2(params, nthreads):
+    """As _fan_out_avx512, for the AVX2 build."""
+    for w in prange(nthreads):
+        _worker_avx2(params.ctypes.data, w, nthreads)
+
+
+_FAN_OUT = {"avx512": _fan_out_avx512, "avx2": _fan_out_avx2}
 
 
 def _eps_bits(eps: float) -> int:
@@ -91,12 +104,12 @@ def _run(slots: tuple, work: int, split_at: int = SPLIT_ELEMENTS) -> None:
     block.params[:] = slots
     lib = cpu_native.layer_ops_library(len(PARAMS))
     split = work >= split_at and torch.get_num_threads() > 1
-    status = lib.mini_vllm_layer_op(block.address, 0 if split else 1)
+    status = lib.layer_op(block.address, 0 if split else 1)
     if status:
         error, message = _ERRORS[status]
         raise error(message)
     if split:
-        _fan_out(block.params, use_torch_threads())
+        _FAN_OUT[lib.isa](block.params, use_torch_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

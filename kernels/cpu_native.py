@@ -17,14 +17,23 @@ evicted (`bench_engine_attention.py`, kernels/NOTES.md): the qwen3-0.6b workload
 decodes 1.24x and prefills 1.59x; the tiny workload's fp32 decodes 1.12x, prefills
 1.47x.
 
-Where it runs (`unavailable_reason()` is None): an x86 CPU with AVX-512 F / BW /
-VL / DQ and AVX512_BF16, numba targeting the host (not an ISA held back, as
-`cpu_runtime.AVX2_ONLY_ENV` holds it), a C++ compiler ($CXX or g++), and
-`MINI_VLLM_CPU_ATTN` not `numba` (which keeps the layer ops in numba too); per call
-(`handles`), an fp32 or bf16 cache and a head_dim that is a multiple of 16 or 32.
-Everything else runs the numba kernel, which stays the reference implementation on
-every CPU. A failed build is reported once
-(a warning with the compiler's message) and the numba kernel runs instead.
+Two builds (`ISAS`, best first). The sources are written against `csrc/simd.h`, a thin
+layer of 16-lane operations with one header per instruction set, and compiled once per
+set the CPU has: "avx512" (AVX-512 F / BW / VL / DQ + AVX512_BF16: VDPBF16PS, masked
+loads) and "avx2" (AVX2 + FMA, the x86 laptops and desktops without AVX-512: 16 lanes as
+two ymm registers, bf16 widened in registers and multiplied in fp32, in VDPBF16PS's
+order, so both builds give the same bits but for fp32 denormals). Each build's symbols
+carry its name (`mini_vllm_attn_worker_avx2`), so both can be loaded in one process.
+
+Dispatch (`isa()`), at the first call: `use_isa(name)` inside its block (tests force each
+build the CPU can run), else `MINI_VLLM_CPU_ATTN` (`avx512` or `avx2` forces that build,
+`numba` none: the layer ops stay in numba too), else ("auto") the first of `ISAS` whose
+features the CPU has (LLVM's view of the host, as numba's). Where numba targets another CPU
+(`NUMBA_CPU_NAME`, as `cpu_runtime.AVX2_ONLY_ENV` holds an AVX-512 machine to AVX2), only the
+AVX2 build may run. It also needs a C++ compiler ($CXX or g++); per call (`handles`), an
+fp32 or bf16 cache and a head_dim that is a multiple of 16 or 32. Everything else runs the
+numba kernel, which stays the reference implementation on every CPU. A failed build is
+reported once (a warning with the compiler's message) and the numba kernel runs instead.
 
 Threads: the work items, their order and the shared counter are the numba
 kernel's (`cpu_paged_attention.plan_items`); numba's prange starts one C++
@@ -34,6 +43,8 @@ is left. With one thread the worker is called directly.
 Invariants: the same results, bit for bit, whatever the thread count or the
 split of decodes into items (each query row's arithmetic is fixed); the output
 has the cache's dtype, bf16 rounded to nearest even from the fp32 accumulator.
+The two builds agree bit for bit but for fp32 denormals (VDPBF16PS flushes them);
+the tests hold each build to the same oracles.
 """
 from __future__ import annotations
 
@@ -59,17 +70,32 @@ from numba import njit, prange, types
 logger = logging.getLogger("mini_vllm")
 
 SOURCE = Path(__file__).resolve().with_name("csrc") / "cpu_attn.cpp"
-ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", *ISA_FLAGS)
+# The builds, best first: each one's compiler flags, and LLVM's names for the CPU features
+# those flags let the compiler use (csrc/simd.h picks the header by the same flags).
+ISAS = {
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"),
+               ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma")),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+}
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")  # exports: simd.h
 # The fused layer ops (`csrc/cpu_layer_ops.cpp`, called by cpu_layer_ops_native.py), a library
 # of their own because they need other flags: no product and sum contracted into an FMA (they
 # round where torch rounds; g++ contracts by default, which the attention kernel's scalar code
 # keeps), -fno-trapping-math so that GCC vectorises their exp's float -> int conversion, and
 # OpenMP's simd pragmas (no OpenMP runtime) for the vectorised sums.
 LAYER_OPS_SOURCE = SOURCE.with_name("cpu_layer_ops.cpp")
-LAYER_OPS_FLAGS = (*FLAGS, "-ffp-contract=off", "-fno-trapping-math", "-fopenmp-simd")
-# LLVM's names for the features the flags above let the compiler use.
-REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma")
+LAYER_OPS_EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math", "-fopenmp-simd")
+
+
+def flags(isa: str) -> tuple[str, ...]:
+    """The attention kernel's compiler flags for one build."""
+    return (*BASE_FLAGS, *ISAS[isa][0])
+
+
+def layer_ops_flags(isa: str) -> tuple[str, ...]:
+    return (*flags(isa), *LAYER_OPS_EXTRA_FLAGS)
+
+
 # The cache dtypes it reads (`enum Dtype` in the C++ file), and the head_dim each needs a
 # multiple of: one VDPBF16PS takes 32 bf16 of a row, one FMA 16 fp32.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -80,7 +106,7 @@ PARAMS = ("query", "key_cache", "value_cache", "out", "tables", "table_stride", 
           "item_seq", "item_t0", "item_h0", "num_items", "tile_tokens", "decode_heads", "num_heads",
           "num_kv_heads", "head_dim", "block_size", "scale_bits", "scratch", "scratch_floats", "counter", "dtype")
 
-_CHOICES = ("auto", "numba")
+_CHOICES = ("auto", *ISAS, "numba")
 CPU_ATTN = os.environ.get("MINI_VLLM_CPU_ATTN", "auto")
 if CPU_ATTN not in _CHOICES:
     raise ValueError(f"MINI_VLLM_CPU_ATTN must be one of {_CHOICES}, got {CPU_ATTN!r}")
@@ -114,6 +140,48 @@ def numba_only():
         _numba_only_depth -= 1
 
 
+_forced_isa: list[str] = []  # use_isa's blocks, innermost last
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Within the block the C++ calls run build `name` of `ISAS` (where the CPU cannot run
+    it, `handles` is False and numba runs): how the tests run every build this CPU has."""
+    if name not in ISAS:
+        raise ValueError(f"unknown build {name!r}: one of {tuple(ISAS)}")
+    _forced_isa.append(name)
+    try:
+        yield
+    finally:
+        _forced_isa.pop()
+
+
+def _host_features() -> frozenset[str]:
+    if "features" not in _state:
+        _state["features"] = frozenset(
+            f[1:] for f in llvm_binding.get_host_cpu_features().flatten().split(",") if f.startswith("+"))
+    return _state["features"]
+
+
+def isa() -> str | None:
+    """The build C++ calls take now (see the module docstring), or None: numba's."""
+    if _forced_isa:
+        return _forced_isa[-1]
+    if CPU_ATTN == "numba":
+        return None
+    if CPU_ATTN != "auto":
+        return CPU_ATTN
+    for name in ISAS:
+        if _isa_reason(name) is None:
+            return name
+    return None
+
+
+def available_isas() -> tuple[str, ...]:
+    """The builds this process can run (before any build is tried), best first."""
+    return tuple(name for name in ISAS if unavailable_reason(name) is None)
+
+
 def handles(dtype: torch.dtype, head_dim: int) -> bool:
     """Does the C++ kernel run this call (not switched off, the library loaded, a cache dtype
     and head_dim it reads)?"""
@@ -121,22 +189,32 @@ def handles(dtype: torch.dtype, head_dim: int) -> bool:
             and library() is not None)
 
 
-def unavailable_reason() -> str | None:
-    """Why this process cannot run the C++ kernel, or None when it can (the build is
-    tried on the first call; a failed build also sends calls to numba)."""
-    if CPU_ATTN == "numba":
+def unavailable_reason(name: str | None = None) -> str | None:
+    """Why this process cannot run build `name` (default: the one `isa()` picks), or None
+    when it can (the build is tried on the first call; a failed build also sends calls to
+    numba)."""
+    if CPU_ATTN == "numba" and not _forced_isa:
         return "MINI_VLLM_CPU_ATTN=numba"
+    if name is None:
+        name = isa()
+        if name is None:  # auto, and no build runs here: say why the simplest one does not
+            return _isa_reason(list(ISAS)[-1])
+    reason = _isa_reason(name)
+    if reason is None and shutil.which(_compiler()) is None:
+        return f"no C++ compiler ({_compiler()!r}; set CXX)"
+    return reason
+
+
+def _isa_reason(name: str) -> str | None:
+    """Why the CPU (as numba targets it) cannot run build `name`, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     cpu_name = os.environ.get("NUMBA_CPU_NAME", "host")
-    if cpu_name != "host":  # numba told to target another CPU: an ISA deliberately held back
-        return f"NUMBA_CPU_NAME={cpu_name} (the kernels target that CPU, not this one)"
-    features = {f[1:] for f in llvm_binding.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
-    missing = [f for f in REQUIRED_FEATURES if f not in features]
+    if cpu_name != "host" and name != "avx2":  # numba told to target another CPU: an ISA held back
+        return f"NUMBA_CPU_NAME={cpu_name} (the kernels target that CPU, not this one: only the avx2 build runs)"
+    missing = [f for f in ISAS[name][1] if f not in _host_features()]
     if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    if shutil.which(_compiler()) is None:
-        return f"no C++ compiler ({_compiler()!r}; set CXX)"
+        return f"the CPU lacks {', '.join(missing)} (the {name} build)"
     return None
 
 
@@ -158,10 +236,10 @@ def _build_dir() -> Path:
     raise OSError("no writable folder for the compiled kernel")
 
 
-def _build(source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+def _build(source_path: Path, flags: tuple[str, ...]) -> Path:
     """The compiled library, built if this source and these flags have not been: written
     under a temporary name and renamed, so concurrent builders never load half a file."""
-    # The source and every header beside it (simd_avx512.h, which both libraries include).
+    # The source and every header beside it (simd.h and its per-ISA headers, which both libraries include).
     source = b"".join(p.read_bytes() for p in (source_path, *sorted(source_path.parent.glob("*.h"))))
     digest = hashlib.sha256(source + " ".join((_compiler(), *flags)).encode()).hexdigest()[:16]
     target = _build_dir() / f"{source_path.stem}-{digest}.so"
@@ -177,47 +255,58 @@ def _build(source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 _lock = threading.Lock()
-# "attn" / "layer_ops": the loaded ctypes library, or None once loading failed
-_state: dict[str, ctypes.CDLL | None] = {}
+# ("attn" | "layer_ops", build): the loaded ctypes library, or None once loading failed;
+# "features": the host CPU's features
+_state: dict = {}
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on the first call; None where it cannot run
-    (`unavailable_reason`) or its build failed (logged once, as a warning)."""
-    if "attn" not in _state:
+    """The loaded kernel library of the build `isa()` picks, built on its first call; None
+    where it cannot run (`unavailable_reason`) or its build failed (logged once, as a
+    warning). Its worker is `lib.worker`."""
+    name = isa()
+    key = ("attn", name)
+    if key not in _state:
         with _lock:
-            if "attn" not in _state:
-                _state["attn"] = _load(SOURCE, FLAGS, "mini_vllm_attn_num_params", len(PARAMS),
-                                       "the C++ attention kernel is unavailable, using the numba kernel")
-                if _state["attn"] is not None:
-                    _state["attn"].mini_vllm_attn_worker.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-                    _state["attn"].mini_vllm_attn_worker.restype = None
-    return _state["attn"]
+            if key not in _state:
+                lib = _load(SOURCE, name, flags, "mini_vllm_attn_num_params", len(PARAMS),
+                            "the C++ attention kernel is unavailable, using the numba kernel")
+                if lib is not None:
+                    lib.worker = getattr(lib, f"mini_vllm_attn_worker_{name}")
+                    lib.worker.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+                    lib.worker.restype = None
+                _state[key] = lib
+    return _state[key]
 
 
 def layer_ops_library(num_params: int) -> ctypes.CDLL | None:
-    """The fused layer ops' library (`csrc/cpu_layer_ops.cpp`), as `library()`; the caller
-    fills `num_params` slots per call (checked against the library at load)."""
-    if "layer_ops" not in _state:
+    """The fused layer ops' library (`csrc/cpu_layer_ops.cpp`) of the build `isa()` picks, as
+    `library()`; the caller fills `num_params` slots per call (checked against the library at
+    load). Its entry points are `lib.layer_op` and `lib.isa`."""
+    name = isa()
+    key = ("layer_ops", name)
+    if key not in _state:
         with _lock:
-            if "layer_ops" not in _state:
-                lib = _load(LAYER_OPS_SOURCE, LAYER_OPS_FLAGS, "mini_vllm_layer_op_num_params", num_params,
+            if key not in _state:
+                lib = _load(LAYER_OPS_SOURCE, name, layer_ops_flags, "mini_vllm_layer_op_num_params", num_params,
                             "the C++ layer ops are unavailable, using numba's")
                 if lib is not None:
-                    lib.mini_vllm_layer_op.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-                    lib.mini_vllm_layer_op.restype = ctypes.c_int64
-                _state["layer_ops"] = lib
-    return _state["layer_ops"]
+                    lib.layer_op = getattr(lib, f"mini_vllm_layer_op_{name}")
+                    lib.layer_op.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+                    lib.layer_op.restype = ctypes.c_int64
+                    lib.isa = name
+                _state[key] = lib
+    return _state[key]
 
 
-def _load(source: Path, flags: tuple[str, ...], params_symbol: str, num_params: int,
+def _load(source: Path, name: str | None, flags_of, params_symbol: str, num_params: int,
           failure: str) -> ctypes.CDLL | None:
-    if unavailable_reason() is not None:
+    if name is None or unavailable_reason(name) is not None:
         return None
     try:
-        path = _build(source, flags)
+        path = _build(source, flags_of(name))
         lib = ctypes.CDLL(str(path))
-        takes = getattr(lib, params_symbol)()
+        takes = getattr(lib, f"{params_symbol}_{name}")()
         if takes != num_params:
             raise RuntimeError(f"{path} takes {takes} parameters, the Python side fills {num_params}: "
                                "the two files disagree")
@@ -228,15 +317,26 @@ def _load(source: Path, flags: tuple[str, ...], params_symbol: str, num_params: 
     return lib
 
 
-# The worker, declared by name for numba: linked against the library loaded above.
-_worker = types.ExternalFunction("mini_vllm_attn_worker", types.void(types.intp, types.int64))
+# Each build's worker, declared by name for numba: linked against the library loaded above.
+_worker_avx512 = types.ExternalFunction("mini_vllm_attn_worker_avx512", types.void(types.intp, types.int64))
+_worker_avx2 = types.ExternalFunction("mini_vllm_attn_worker_avx2", types.void(types.intp, types.int64))
 
 
 @njit(cache=True, parallel=True)
-def _fan_out(params, nthreads):
+def _fan_out_avx512(params, nthreads):
     """One C++ worker per thread; they share the items through the params' counter."""
     for w in prange(nthreads):
-        _worker(params.ctypes.data, w)
+        _worker_avx512(params.ctypes.data, w)
+
+
+@njit(cache=True, parallel=True)
+def _fan_out_avx2(params, nthreads):
+    """As _fan_out_avx512, for the AVX2 build (numba binds a worker by its name)."""
+    for w in prange(nthreads):
+        _worker_avx2(params.ctypes.data, w)
+
+
+_FAN_OUT = {"avx512": _fan_out_avx512, "avx2": _fan_out_avx2}
 
 
 def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
@@ -262,6 +362,6 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
                        struct.unpack("<I", struct.pack("<f", scale))[0], scratch.ctypes.data, per_thread,
                        counter.ctypes.data, DTYPES[key_cache.dtype]), np.int64)
     if nthreads == 1:
-        lib.mini_vllm_attn_worker(params.ctypes.data, 0)
+        lib.worker(params.ctypes.data, 0)
     else:
-        _fan_out(params, nthreads)
+        _FAN_OUT[isa()](params, nthreads)

@@ -89,3 +89,23 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def native_builds() -> tuple:
+    """The C++ kernel builds this CPU runs (cpu_native.ISAS order: "avx512", "avx2"), or
+    (None,) where none does, so that a test parametrised over them still appears, skipped
+    with the reason."""
+    from mini_vllm.kernels import cpu_native
+    return cpu_native.available_isas() or (None,)
+
+
+@pytest.fixture(params=native_builds())
+def native_isa(request):
+    """Runs the test once per C++ build this CPU runs, that build forced
+    (cpu_native.use_isa): on an AVX-512 machine both the AVX-512 and the AVX2 build, on an
+    AVX2-only one the AVX2 build."""
+    from mini_vllm.kernels import cpu_native
+    if request.param is None:
+        pytest.skip(f"the C++ kernels cannot run here: {cpu_native.unavailable_reason()}")
+    with cpu_native.use_isa(request.param):
+        yield request.param

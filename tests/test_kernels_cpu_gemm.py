@@ -6,7 +6,11 @@ the fp32-sum (and, in bf16, one-rounding) bound of; and in bf16 torch's fp32 pro
 rounded to bf16, which the kernel differs from only in the order of the fp32 sum, so rarely.
 Then what the engine relies on: a row's bits do not depend on the rows beside it or on
 how the output's panels are split between threads (batch invariance), the packed copy
-follows the weight, and shapes the kernel does not take go to oneDNN, still correct.
+follows the weight, and shapes the kernel does not take go to oneDNN (or, for bf16 on a
+CPU whose oneDNN packs no bf16, F.linear), still correct.
+
+Every test runs once per C++ build this CPU runs (`native_isa`): on an AVX2-only CPU the
+AVX2 build, which reads the bf16 weight, widens it in registers and accumulates in fp32.
 """
 from __future__ import annotations
 
@@ -14,12 +18,11 @@ import pytest
 import torch
 
 from mini_vllm.kernels import cpu_layer_ops_native as native, cpu_native
+from mini_vllm.models import cpu_ops
 from mini_vllm.models.linear import ColumnParallelLinear
-from kernel_cases import torch_threads
+from kernel_cases import native_isa, torch_threads  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.skipif(
-    not (native.handles(torch.bfloat16) and native.handles(torch.float32)),
-    reason=f"the C++ kernels do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
+pytestmark = pytest.mark.usefixtures("native_isa")
 
 # Summation order moves a value near a rounding boundary: 2 in 10,000 outputs differed
 # from torch's with K = 1,024; more than 1 in 1,000 is a real bug.
@@ -136,17 +139,22 @@ def test_shapes_the_kernel_does_not_take_go_to_onednn(n_in, n_out, dtype):
     assert _within_the_rounding_bound(layer, x, got) <= 1, "oneDNN's fallback computed wrong outputs"
 
 
-def test_the_packed_weight_follows_writes_and_the_kernel_switch():
+def test_the_packed_weight_follows_writes_and_the_kernel_switch(monkeypatch):
     layer, x = _layer(64, 64, bias=False), _x(3, 64)
     _run(layer, x)
     with torch.no_grad():
         layer.weight.zero_()
     assert torch.count_nonzero(_run(layer, x)) == 0, "a stale packed weight was used after weight.zero_()"
-    with cpu_native.numba_only():  # the C++ kernels off: oneDNN's packing, not the panels
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(1) or real(*a))
+    with cpu_native.numba_only():  # the C++ kernels off: oneDNN's packing, or F.linear where it packs no bf16
         _run(layer, x)
-        assert not _uses_the_kernel(layer), "with the C++ kernels off the layer kept the C++ panels"
+        assert not calls, "with the C++ kernels off the layer still ran the C++ linear"
+        if torch.bfloat16 in cpu_ops.PACKABLE:
+            assert not _uses_the_kernel(layer), "with the C++ kernels off the layer kept the C++ panels"
     _run(layer, x)
-    assert _uses_the_kernel(layer)
+    assert calls and _uses_the_kernel(layer), "with the C++ kernels back on the layer did not return to them"
 
 
 def test_pack_layout():

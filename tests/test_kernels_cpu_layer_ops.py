@@ -3,7 +3,8 @@ the model's layers (models/cpu_ops.py: oneDNN linears, fused ops), each
 against the torch code it replaces, which stays the reference.
 
 Each op test runs on both implementations (the `impl` fixture): the C++ ops
-(kernels/cpu_layer_ops_native.py), where this CPU runs them, and the numba loops."""
+(kernels/cpu_layer_ops_native.py) in each build this CPU runs (AVX-512 with BF16,
+AVX2 + FMA), and the numba loops."""
 from __future__ import annotations
 
 import subprocess
@@ -19,19 +20,23 @@ from mini_vllm.models import cpu_ops
 from mini_vllm.models.layers import ParallelLMHead, RMSNorm, SiluAndMul
 from mini_vllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from mini_vllm.models.rotary import RotaryEmbedding
-from kernel_cases import torch_threads
+from kernel_cases import native_builds, native_isa, torch_threads  # noqa: F401 (native_isa: a fixture)
 
 SHAPES = [(1, 8), (7, 64), (300, 256), (33, 96)]
 
 
-@pytest.fixture(params=["cpp", "numba"])
+@pytest.fixture(params=[*(f"cpp-{b}" if b else "cpp" for b in native_builds()), "numba"])
 def impl(request):
-    """The op tests run twice: the C++ ops where they run here, and the numba loops (the
-    reference on every CPU, forced with cpu_native.numba_only)."""
-    if request.param == "cpp":
-        if not native.handles(torch.float32):
-            pytest.skip(f"the C++ layer ops do not run here: {cpu_native.unavailable_reason() or 'build failed'}")
-        yield "cpp"
+    """The op tests run once per C++ build this CPU runs (cpu_native.use_isa), and on the numba
+    loops (the reference on every CPU, forced with cpu_native.numba_only)."""
+    if request.param.startswith("cpp"):
+        build = request.param[4:] or None
+        if build is None:
+            pytest.skip(f"the C++ layer ops do not run here: {cpu_native.unavailable_reason()}")
+        with cpu_native.use_isa(build):
+            if not native.handles(torch.float32):
+                pytest.skip(f"the C++ layer ops' {build} build failed")
+            yield request.param
     else:
         with cpu_native.numba_only():
             assert not native.handles(torch.float32)
@@ -251,6 +256,7 @@ def test_two_threads_give_one_threads_bits(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [16, 300])
+@pytest.mark.usefixtures("native_isa")
 def test_cpp_ops_equal_the_numba_ops(dtype, tokens):
     """The C++ ops against the numba loops on Qwen3-0.6B's widths (hidden 1,024,
     intermediate 3,072, 16 + 8 heads of 128): a decode step's 16 rows, run on the
@@ -414,9 +420,9 @@ def test_onednn_linear_matches_f_linear(dtype):
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * 8,
                                msg="the packed linear must compute x @ W.T + b")
     packed = layer._packed is not None
-    if cpu_ops._AVAILABLE and dtype in cpu_ops.PACKABLE:
-        assert packed, "fp32 (and bf16 where the CPU packs it) CPU inference must use the packed weight"
-    else:  # e.g. bf16 on an AVX2-only CPU, where oneDNN's bf16 reorder raises
+    if native.handles_linear(x, layer.weight) or (cpu_ops._AVAILABLE and dtype in cpu_ops.PACKABLE):
+        assert packed, "fp32 and bf16 CPU inference must use the packed weight where the C++ kernel or oneDNN takes it"
+    else:  # bf16 on a CPU with no C++ build, where oneDNN's bf16 reorder raises
         assert not packed, f"{dtype} was packed although this CPU cannot pack it"
 
 

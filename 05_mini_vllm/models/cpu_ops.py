@@ -25,9 +25,16 @@ C++ kernel (VDPBF16PS on panels of 32 output columns, every row count the same
 instruction sequence per output) reads 18-24 GB/s for 1 row, is 1.2x oneDNN
 for 16 rows and level with it (210-220 GFLOP/s) on a prefill. In fp32 the
 same loop on FMA gave oneDNN's bits for the tiny model's shapes at half the
-cost of a small call. It runs where the C++ layer ops run (AVX512_BF16) for
-weights of N % 32 == 0 (and even K in bf16); other weights, and every CPU
-without it, keep oneDNN (kernels/NOTES.md has the measurements).
+cost of a small call. It runs where the C++ layer ops run (AVX-512 with BF16,
+or AVX2 with FMA) for weights of N % 32 == 0 (and even K in bf16); other
+weights, and CPUs with neither, keep oneDNN (kernels/NOTES.md has the
+measurements).
+
+On an AVX2-only CPU oneDNN packs no bf16 weight, and torch's bf16 matmul there
+is slow; the C++ kernel's AVX2 build reads the bf16 weight as packed, widens
+it in registers and accumulates in fp32, so a bf16 checkpoint's decode reads
+half the bytes an fp32 copy would. A bf16 weight it does not take runs
+`F.linear`.
 
 Invariants:
 * `linear(x, layer.weight, bias, layer)` equals `F.linear(x, weight, bias)`
@@ -37,9 +44,10 @@ Invariants:
   and its version counter, so a weight written in place after loading (a
   test zeroing a projection, a reload) is packed again on the next call,
   never read stale;
-* used only where it can be: a CPU tensor in float32, or in bfloat16 on a
-  CPU whose oneDNN packs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an
-  AVX2-only one), oneDNN present, no autograd graph to record (the packed matmul has no backward),
+* used only where it can be: a CPU tensor in float32 or bfloat16, the C++
+  kernel taking the shape, or else oneDNN present and packing the dtype (bf16
+  needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU, whose
+  other bf16 weights take `F.linear`), no autograd graph to record (the packed matmul has no backward),
   a weight with a version counter (one created under `torch.inference_mode`
   has none, so a stale copy could not be detected); anything else takes
   `F.linear`;
@@ -120,8 +128,11 @@ def _onednn_bf16_ok() -> bool:
 
 _AVAILABLE = _onednn_ok()
 PRIMITIVE_CACHE_CAPACITY = 8192  # about 4 weight shapes x every row count up to a 2,048-token step
-# The dtypes whose weights this CPU can pack; the others take F.linear.
+# The dtypes whose weights oneDNN can pack on this CPU.
 PACKABLE = (torch.float32, torch.bfloat16) if _AVAILABLE and _onednn_bf16_ok() else (torch.float32,)
+# The dtypes `linear` sends to `_packed_linear` (the C++ kernel, oneDNN or, for a bf16
+# weight neither takes, F.linear); others take F.linear at once.
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
@@ -143,13 +154,16 @@ def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
     """x @ weight.T (+ bias) on a packed weight: the C++ kernel where it takes the
-    shapes (`native_ops.handles_linear`), else oneDNN. Which one depends on the layer and the
-    CPU, never on the number of rows (see Batch invariance above)."""
+    shapes (`native_ops.handles_linear`), else oneDNN where it packs the dtype, else
+    F.linear. Which one depends on the layer and the CPU, never on the number of rows (see
+    Batch invariance above)."""
     if native_ops.handles_linear(x, weight):
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
         native_ops.linear(rows, _packed_weight(owner, weight, True), None if bias is None else bias.float(), out)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+    if not (_AVAILABLE and x.dtype in PACKABLE):  # bf16 on an AVX2-only CPU: oneDNN cannot pack it
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight, False), bias, "none", [], "")
 
 
@@ -197,8 +211,10 @@ def _compiled_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
-    """x @ weight.T (+ bias); `owner` (the layer) holds the packed weight."""
-    if (_AVAILABLE and x.dtype in PACKABLE and weight.dtype == x.dtype
+    """x @ weight.T (+ bias); `owner` (the layer) holds the packed weight. `_packed_linear`
+    picks the kernel at run time (the traced graph's op too, so that tracing never asks the
+    C++ library anything)."""
+    if (x.dtype in LINEAR_DTYPES and weight.dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and CPU_OPS == "compiled" and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         if torch.compiler.is_compiling():  # an op in the traced graph (Dynamo cannot ask is_inference)

@@ -1,5 +1,7 @@
-// Paged attention for fp32 and bf16 KV caches on CPUs with AVX-512 and AVX512_BF16: the
-// engine's varlen batch (prefill tiles, chunks and decodes), read in place from the paged cache.
+// Paged attention for fp32 and bf16 KV caches on x86 CPUs with AVX-512 and AVX512_BF16, or
+// AVX2 and FMA: the engine's varlen batch (prefill tiles, chunks and decodes), read in place
+// from the paged cache. Written once against simd.h and compiled once per instruction set
+// (kernels/cpu_native.py picks the build the CPU can run).
 //
 // vLLM counterpart: csrc/cpu/cpu_attn.cpp and cpu_attn_impl.hpp (its CPU attention, also
 // C++ with AVX-512 / AMX intrinsics). Built and loaded by kernels/cpu_native.py; the work
@@ -11,6 +13,8 @@
 // numba cannot emit it, so its loops widen every key element to fp32 first (a shift) and
 // ran the decode at about half the read bandwidth and prefills at ~30 GFLOP/s. With the
 // instructions chosen by hand, fp32 caches gain too (an FMA where bf16 has a VDPBF16PS).
+// Without AVX512_BF16 (AVX2), the same loops widen bf16 in registers (a shift or a mask) and
+// multiply-add in fp32, in VDPBF16PS's order: the same bits but for fp32 denormals.
 //
 // Per work item (one sequence's query tokens t0..t1-1 x KV heads h0..h1-1), FlashAttention's
 // loop, one cache block per step, for each KV head and its query rows:
@@ -33,12 +37,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "simd_avx512.h"
+#include "simd.h"
 
 namespace {
 
-using mini_vllm_simd::exp16;
-using mini_vllm_simd::widen16;
+using namespace mini_vllm_simd;  // V16 (16 fp32 lanes), its operations and the register budgets
 
 // The parameter block the Python side fills (cpu_native.PARAMS names each slot).
 enum Param {
@@ -98,56 +101,23 @@ Args unpack(const int64_t* p) {
   return a;
 }
 
-// 16 bf16 values at p -> 16 fp32.
-inline __m512 widen16(const uint16_t* p) {
-  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512bh load_bh(const uint16_t* p) {
-  return (__m512bh)_mm512_loadu_si512(p);
-}
-
-// The sums of four 16-lane vectors, as [sum a, sum b, sum c, sum d].
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-  __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-  __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// 16 fp32 -> 16 bf16 bits at p, rounded to nearest even (torch's rounding); a NaN stays a
-// quiet NaN (rounding would carry its mantissa into the exponent).
-inline void store_bf16(uint16_t* p, __m512 x) {
-  __m512i u = _mm512_castps_si512(x);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                          _mm512_set1_epi32(0x7f800000));
-  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
-}
-
 // How each cache format is read and written. bf16: dot products with VDPBF16PS (32 pairs
 // an instruction; bf16 products are exact in fp32), values widened by a shift. fp32: FMAs,
 // 16 an instruction. Both accumulate in fp32.
 struct Bf16 {
   using T = uint16_t;
   static constexpr int kDotWidth = 32;  // elements of a row one dot step takes
-  static __m512 dot(__m512 acc, const T* q, const T* k) { return _mm512_dpbf16_ps(acc, load_bh(q), load_bh(k)); }
-  static __m512 load16(const T* p) { return widen16(p); }
-  static void store16(T* p, __m512 x) { store_bf16(p, x); }
+  static V16 dot(V16 acc, const T* q, const T* k) { return dpbf16(acc, load_i(q), load_i(k)); }
+  static V16 load16(const T* p) { return widen16(p); }
+  static void store16(T* p, V16 x) { store_bf16_like_torch(p, x); }
 };
 
 struct Fp32 {
   using T = float;
   static constexpr int kDotWidth = 16;
-  static __m512 dot(__m512 acc, const T* q, const T* k) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k), acc);
-  }
-  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
-  static void store16(T* p, __m512 x) { _mm512_storeu_ps(p, x); }
+  static V16 dot(V16 acc, const T* q, const T* k) { return fmadd(load(q), load(k), acc); }
+  static V16 load16(const T* p) { return load(p); }
+  static void store16(T* p, V16 x) { store(p, x); }
 };
 
 inline void prefetch_rows(const void* first, int64_t bytes) {
@@ -155,10 +125,11 @@ inline void prefetch_rows(const void* first, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// S[r, j] = scale * q_r . k_j for NR <= 4 query rows (row r's query at q[r], its scores at
-// s + r * s_stride) and keys 0..n-1 of one block and KV head (key j at k + j * k_stride).
-// Four keys at a time (the last group repeats its last key), each chunk of a key loaded
-// once for the NR rows, then one 4-way horizontal sum per row. The rows' loop is inside
+// S[r, j] = scale * q_r . k_j for NR <= kScoreRows query rows (row r's query at q[r], its
+// scores at s + r * s_stride) and keys 0..n-1 of one block and KV head (key j at k + j *
+// k_stride). kScoreKeys keys at a time (four on AVX-512, two on AVX2, whose 16 registers hold
+// fewer accumulators; the last group repeats its last key), each chunk of a key loaded once
+// for the NR rows, then one horizontal sum per row and key (the same tree for any grouping). The rows' loop is inside
 // the chunks' so that a key is read once per item, not once per row: a KV head's rows lie
 // one cache slot apart (4 KiB for fp32 at head_dim 128, all in one L1 set), and re-reading
 // them per row missed L1 (16 fp32 Qwen3 decodes: 7.4 ms, against numba's 6.6).
@@ -168,29 +139,30 @@ void scores_block(const typename E::T* const* q, const typename E::T* k, int64_t
   using T = typename E::T;
   constexpr int W = E::kDotWidth;
   const int chunks = static_cast<int>(head_dim / W);
-  for (int j = 0; j < n; j += 4) {
-    const T* kj[4];
-    for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * k_stride;
-    const __mmask8 tail = n - j >= 4 ? 0xf : static_cast<__mmask8>((1u << (n - j)) - 1);
-    __m512 a[NR][4];
+  constexpr int NK = kScoreKeys;
+  for (int j = 0; j < n; j += NK) {
+    const T* kj[NK];
+    for (int c = 0; c < NK; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * k_stride;
+    V16 a[NR][NK];
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < NK; ++c) a[r][c] = zero();
     for (int c = 0; c < chunks; ++c)
       for (int r = 0; r < NR; ++r)
-        for (int key = 0; key < 4; ++key) a[r][key] = E::dot(a[r][key], q[r] + W * c, kj[key] + W * c);
-    for (int r = 0; r < NR; ++r)
-      _mm_mask_storeu_ps(s + r * s_stride + j, tail,
-                         _mm_mul_ps(reduce4(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
+        for (int key = 0; key < NK; ++key) a[r][key] = E::dot(a[r][key], q[r] + W * c, kj[key] + W * c);
+    for (int r = 0; r < NR; ++r)  // (with NK < 4 reduce4's other lanes repeat keys, never stored)
+      store4_n(s + r * s_stride + j,
+               _mm_mul_ps(reduce4(a[r][0], a[r][1 % NK], a[r][2 % NK], a[r][3 % NK]), _mm_set1_ps(scale)),
+               n - j < NK ? n - j : NK);
   }
 }
 
 template <class E>
 void scores(const typename E::T* const* q, int rows, const typename E::T* k, int64_t k_stride, int n,
             int64_t head_dim, float scale, float* s, int64_t s_stride) {
-  for (int r = 0; r < rows; r += 4) {
+  for (int r = 0; r < rows; r += kScoreRows) {
     const typename E::T* const* qr = q + r;
     float* sr = s + r * s_stride;
-    switch (rows - r < 4 ? rows - r : 4) {
+    switch (rows - r < kScoreRows ? rows - r : kScoreRows) {
       case 4: scores_block<E, 4>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
       case 3: scores_block<E, 3>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
       case 2: scores_block<E, 2>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
@@ -203,24 +175,22 @@ void scores(const typename E::T* const* q, int rows, const typename E::T* k, int
 // P (0 past `seen`), the running max m and sum l are updated; returns alpha, by which what
 // earlier blocks accumulated is rescaled.
 float softmax_step(float* s, int seen, int n, float* m, float* l) {
-  __m512 mx = _mm512_set1_ps(*m);
+  V16 mx = set1(*m);
   for (int j = 0; j < seen; j += 16) {
-    __mmask16 k = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
-    mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + j));
+    const int left = seen - j < 16 ? seen - j : 16;
+    mx = select(first_n(left), max(mx, load_n(s + j, left)), mx);
   }
-  float m_new = _mm512_reduce_max_ps(mx);
-  float alpha = _mm512_cvtss_f32(exp16(_mm512_set1_ps(*m - m_new)));  // *m = -inf: exp(-87), times l = 0
-  __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(m_new);
+  float m_new = reduce_max(mx);
+  float alpha = first(exp16(set1(*m - m_new)));  // *m = -inf: exp(-87), times l = 0
+  V16 sum = zero(), mv = set1(m_new);
   for (int j = 0; j < n; j += 16) {
     int left = n - j < 16 ? n - j : 16;
-    __mmask16 all = left == 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
     int vis = seen - j < 0 ? 0 : (seen - j > 16 ? 16 : seen - j);
-    __mmask16 k = vis == 16 ? 0xffff : static_cast<__mmask16>((1u << vis) - 1);
-    __m512 p = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
-    sum = _mm512_add_ps(sum, p);
-    _mm512_mask_storeu_ps(s + j, all, p);
+    V16 p = select(first_n(vis), exp16(sub(load_n(s + j, vis), mv)), zero());
+    sum = add(sum, p);
+    store_n(s + j, p, left);
   }
-  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  *l = *l * alpha + reduce_add(sum);
   *m = m_new;
   return alpha;
 }
@@ -230,33 +200,34 @@ constexpr int kLaneRows = 16;  // items with at least this many query rows take 
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r, j] v_j for NR <= 4 rows (row r of acc at acc + r * D,
 // of p at p + r * p_stride), keys j < n (key j at v + j * v_stride). Register-blocked: NR rows
-// x 16 * ND dims of acc stay in NR * ND <= 16 registers while the keys stream past, each V
+// x 16 * ND dims of acc stay in NR * ND <= kPvVectors 16-lane values (16 zmm registers on
+// AVX-512; 4 values, 8 ymm, on AVX2) while the keys stream past, each V
 // row widened once per pass for all the rows (acc read and written once per block, not once
 // per key). Fewer rows take wider passes: a decode's 2 rows cover 128 dims in one pass, so a
 // V row is read once (its head's rows lie a cache slot apart, in one L1 set).
-template <class E, int NR, int ND = 16 / NR>
+template <class E, int NR, int ND = (kPvVectors / NR > 0 ? kPvVectors / NR : 1)>
 void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::T* v,
               int64_t v_stride, int n, int64_t head_dim) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * ND) {
     const int nd = head_dim - d0 >= 16 * ND ? ND : static_cast<int>((head_dim - d0) / 16);
-    __m512 a[NR][ND];
+    V16 a[NR][ND];
     for (int r = 0; r < NR; ++r) {
-      __m512 al = _mm512_set1_ps(alpha[r]);
+      V16 al = set1(alpha[r]);
       for (int c = 0; c < ND; ++c)
-        a[r][c] = c < nd ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c), al) : al;
+        a[r][c] = c < nd ? mul(load(acc + r * head_dim + d0 + 16 * c), al) : al;
     }
     for (int j = 0; j < n; ++j) {
       const typename E::T* vj = v + j * v_stride + d0;
-      __m512 vv[ND];
-      for (int c = 0; c < ND; ++c) vv[c] = c < nd ? E::load16(vj + 16 * c) : _mm512_setzero_ps();
+      V16 vv[ND];
+      for (int c = 0; c < ND; ++c) vv[c] = c < nd ? E::load16(vj + 16 * c) : zero();
       for (int r = 0; r < NR; ++r) {
-        __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
+        V16 pr = set1(p[r * p_stride + j]);
         for (int c = 0; c < ND; ++c)
-          if (c < nd) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+          if (c < nd) a[r][c] = fmadd(pr, vv[c], a[r][c]);
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < nd; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+      for (int c = 0; c < nd; ++c) store(acc + r * head_dim + d0 + 16 * c, a[r][c]);
   }
 }
 
@@ -315,7 +286,7 @@ struct Seq {
 };
 
 // The query rows of a tile, transposed so that 16 rows sit in the 16 lanes of a register:
-// fp32 as Qt[d][row]; bf16 as pairs of dims, Qt[d / 2][row][2], the layout VDPBF16PS reads.
+// fp32 as Qt[d][row]; bf16 as pairs of dims, Qt[d / 2][row][2], the layout VDPBF16PS (dpbf16) reads.
 inline void transpose_q(const float* const* q, int rows, int rows_p, int64_t D, float* qt) {
   for (int r = 0; r < rows_p; ++r)  // row by row: each row read once, contiguously
     for (int64_t d = 0; d < D; ++d) qt[d * rows_p + r] = r < rows ? q[r][d] : 0.0f;
@@ -332,32 +303,32 @@ inline void transpose_q(const uint16_t* const* q, int rows, int rows_p, int64_t 
 }
 
 // Scores of 16 rows (lanes) and four keys: S[j][lanes] = q_lanes . k_j.
-inline void scores16x4(const float* qt, int rows_p, const float* const* k, int64_t D, __m512* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+inline void scores16x4(const float* qt, int rows_p, const float* const* k, int64_t D, V16* out) {
+  V16 a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < D; ++d) {
-    __m512 qd = _mm512_loadu_ps(qt + d * rows_p);
-    a0 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[0][d]), a0);
-    a1 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[1][d]), a1);
-    a2 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[2][d]), a2);
-    a3 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[3][d]), a3);
+    V16 qd = load(qt + d * rows_p);
+    a0 = fmadd(qd, set1(k[0][d]), a0);
+    a1 = fmadd(qd, set1(k[1][d]), a1);
+    a2 = fmadd(qd, set1(k[2][d]), a2);
+    a3 = fmadd(qd, set1(k[3][d]), a3);
   }
   out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
 }
 
-inline void scores16x4(const float* qt, int rows_p, const uint16_t* const* k, int64_t D, __m512* out) {
+inline void scores16x4(const float* qt, int rows_p, const uint16_t* const* k, int64_t D, V16* out) {
   const uint16_t* pairs = reinterpret_cast<const uint16_t*>(qt);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  V16 a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < D; d += 2) {
-    __m512bh qd = load_bh(pairs + d / 2 * rows_p * 2);
+    I16 qd = load_i(pairs + d / 2 * rows_p * 2);
     int32_t k0, k1, k2, k3;  // the pair (k[d], k[d + 1]) of each key, as one 32-bit lane to broadcast
     __builtin_memcpy(&k0, k[0] + d, 4);
     __builtin_memcpy(&k1, k[1] + d, 4);
     __builtin_memcpy(&k2, k[2] + d, 4);
     __builtin_memcpy(&k3, k[3] + d, 4);
-    a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_set1_epi32(k0));
-    a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_set1_epi32(k1));
-    a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_set1_epi32(k2));
-    a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_set1_epi32(k3));
+    a0 = dpbf16(a0, qd, set1_i(k0));
+    a1 = dpbf16(a1, qd, set1_i(k1));
+    a2 = dpbf16(a2, qd, set1_i(k2));
+    a3 = dpbf16(a3, qd, set1_i(k3));
   }
   out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
 }
@@ -397,7 +368,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
     const T* k = sq.keys(phys, h);
     const T* v = sq.values(phys, h);
     for (int j = 0; j < n; ++j)  // V widened once per block for all rows (fp32: a copy)
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + j * D + d, E::load16(v + j * sq.row_elems + d));
+      for (int64_t d = 0; d < D; d += 16) store(vf + j * D + d, E::load16(v + j * sq.row_elems + d));
     for (int g = 0; g < rows_p; g += 16) {
       // Lane r of this group is row g + r, at position context_len + t0 + (g + r) / group (the
       // padding lanes take the last row's); it sees key start + j iff start + j <= position.
@@ -407,43 +378,43 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
       alignas(64) int32_t lane_pos[16];  // relative to the block's first key
       for (int c = 0; c < 16; ++c)
         lane_pos[c] = static_cast<int32_t>(context_len + t0 + (g + c < rows ? g + c : rows - 1) / group - start);
-      const __m512i pos = _mm512_load_si512(lane_pos);
-      __m512 m_old = _mm512_loadu_ps(m + g), m_new = m_old;
+      const I16 pos = load_i(lane_pos);
+      V16 m_old = load(m + g), m_new = m_old;
       for (int j = 0; j < n; j += 4) {
         const T* kj[4];
         for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * sq.row_elems;
-        __m512 sc[4];
+        V16 sc[4];
         scores16x4(qt + g, rows_p, kj, D, sc);
         for (int c = 0; c < 4 && j + c < n; ++c) {
-          __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j + c));
-          __m512 sj = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(sc[c], _mm512_set1_ps(a.scale)));
-          _mm512_storeu_ps(pt + (j + c) * 16, sj);
-          m_new = _mm512_max_ps(m_new, sj);
+          M16 seen = cmpge_i(pos, j + c);
+          V16 sj = select(seen, mul(sc[c], set1(a.scale)), set1(-INFINITY));
+          store(pt + (j + c) * 16, sj);
+          m_new = max(m_new, sj);
         }
       }
       // Every row saw key 0 in block 0, so m_new is finite from there on; a row that sees no
       // key of this block keeps its max (alpha = 1) and adds P = 0.
-      const __m512 alpha = exp16(_mm512_sub_ps(m_old, m_new));
-      __m512 sum = _mm512_setzero_ps();
+      const V16 alpha = exp16(sub(m_old, m_new));
+      V16 sum = zero();
       for (int j = 0; j < n; ++j) {
-        __m512 sj = _mm512_loadu_ps(pt + j * 16);
-        __mmask16 seen = _mm512_cmp_ps_mask(sj, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sj, m_new)));
-        sum = _mm512_add_ps(sum, p);
-        _mm512_storeu_ps(pt + j * 16, p);
+        V16 sj = load(pt + j * 16);
+        V16 p = select(cmpneq(sj, -INFINITY), exp16(sub(sj, m_new)), zero());
+        sum = add(sum, p);
+        store(pt + j * 16, p);
       }
-      _mm512_storeu_ps(l + g, _mm512_fmadd_ps(_mm512_loadu_ps(l + g), alpha, sum));
-      _mm512_storeu_ps(m + g, m_new);
-      // acc^T[d][lanes] = acc^T * alpha + sum_j P^T[j] v_j[d], 16 dims x 16 rows in registers.
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        __m512 ac[16];
-        for (int c = 0; c < 16; ++c) ac[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + c) * rows_p + g), alpha);
+      store(l + g, fmadd(load(l + g), alpha, sum));
+      store(m + g, m_new);
+      // acc^T[d][lanes] = acc^T * alpha + sum_j P^T[j] v_j[d], kTileDims dims x 16 rows in
+      // registers (16 dims on AVX-512, 4 on AVX2).
+      for (int64_t d0 = 0; d0 < D; d0 += kTileDims) {
+        V16 ac[kTileDims];
+        for (int c = 0; c < kTileDims; ++c) ac[c] = mul(load(acc + (d0 + c) * rows_p + g), alpha);
         for (int j = 0; j < n; ++j) {
-          __m512 pj = _mm512_loadu_ps(pt + j * 16);
+          V16 pj = load(pt + j * 16);
           const float* vj = vf + j * D + d0;
-          for (int c = 0; c < 16; ++c) ac[c] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vj[c]), ac[c]);
+          for (int c = 0; c < kTileDims; ++c) ac[c] = fmadd(pj, set1(vj[c]), ac[c]);
         }
-        for (int c = 0; c < 16; ++c) _mm512_storeu_ps(acc + (d0 + c) * rows_p + g, ac[c]);
+        for (int c = 0; c < kTileDims; ++c) store(acc + (d0 + c) * rows_p + g, ac[c]);
       }
     }
   }
@@ -453,7 +424,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
     T* o = sq.out + sq.row(t0, r, h);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       for (int c = 0; c < 16; ++c) row[c] = acc[(d0 + c) * rows_p + r] * inv;
-      E::store16(o + d0, _mm512_loadu_ps(row));
+      E::store16(o + d0, load(row));
     }
   }
 }
@@ -466,12 +437,12 @@ template <class E>
 void pv_slots(float* acc, const float* p, int64_t p_stride, const typename E::T* v, int64_t v_stride, int nj,
               int64_t D, int rows) {
   for (int64_t d = 0; d < D; d += 16) {
-    __m512 vv[4];
-    for (int j = 0; j < 4; ++j) vv[j] = j < nj ? E::load16(v + j * v_stride + d) : _mm512_setzero_ps();
+    V16 vv[4];
+    for (int j = 0; j < 4; ++j) vv[j] = j < nj ? E::load16(v + j * v_stride + d) : zero();
     for (int r = 0; r < rows; ++r) {
-      __m512 x = _mm512_loadu_ps(acc + r * D + d);
-      for (int j = 0; j < 4; ++j) x = _mm512_fmadd_ps(_mm512_set1_ps(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);
-      _mm512_storeu_ps(acc + r * D + d, x);
+      V16 x = load(acc + r * D + d);
+      for (int j = 0; j < 4; ++j) x = fmadd(set1(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);
+      store(acc + r * D + d, x);
     }
   }
 }
@@ -527,9 +498,8 @@ void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t
     }
     for (int x = 0; x < heads * group; ++x) {  // a decode sees every key up to kv_end: seen = n
       alpha[x] = softmax_step(s + x * bs, n, n, m + x, l + x);
-      const __m512 al = _mm512_set1_ps(alpha[x]);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(acc + x * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), al));
+      const V16 al = set1(alpha[x]);
+      for (int64_t d = 0; d < D; d += 16) store(acc + x * D + d, mul(load(acc + x * D + d), al));
     }
     for (int j = 0; j < n; j += 4) {
       const int nj = n - j < 4 ? n - j : 4;
@@ -628,7 +598,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       int x = static_cast<int>((h - h0) * rows_per_head + r);
       float inv = 1.0f / l[x];  // l >= 1: the row saw its own max
       T* o = sq.out + sq.row(t0, r, h);
-      for (int64_t d = 0; d < D; d += 16) E::store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), _mm512_set1_ps(inv)));
+      for (int64_t d = 0; d < D; d += 16) E::store16(o + d, mul(load(acc + x * D + d), set1(inv)));
     }
 }
 
@@ -637,11 +607,11 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
 extern "C" {
 
 // The number of parameter slots the caller must fill (checked once at load).
-int64_t mini_vllm_attn_num_params() { return kNumParams; }
+int64_t MINI_VLLM_EXPORT(mini_vllm_attn_num_params)() { return kNumParams; }
 
 // Worker w: takes the next unstarted item from the shared counter until none is left. The
 // Python side calls it once per thread (numba's prange), or directly with one thread.
-void mini_vllm_attn_worker(const int64_t* params, int64_t w) {
+void MINI_VLLM_EXPORT(mini_vllm_attn_worker)(const int64_t* params, int64_t w) {
   const Args a = unpack(params);
   float* scratch = a.scratch + w * a.scratch_floats;
   for (int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED); it < a.num_items;

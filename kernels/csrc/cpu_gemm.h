@@ -1,6 +1,14 @@
 // A linear layer, out = x @ W.T (+ bias), in bf16 on AVX512_BF16's VDPBF16PS (and in fp32
 // on FMA), over a weight packed once into panels of 32 output columns. Included by
-// cpu_layer_ops.cpp, whose parameter block and thread split it shares (op kLinear).
+// cpu_layer_ops.cpp, whose parameter block and thread split it shares (op kLinear), after
+// simd.h: on AVX2 the same loops read the bf16 weight as it is packed and widen it in
+// registers (simd_avx2.h's dpbf16: a mask and a shift per 8 pairs, two FMAs), accumulating
+// in fp32 in VDPBF16PS's order.
+//
+// Why on AVX2: a decode step's product (1 to 16 rows) is bound by reading the weight, and a
+// bf16 weight is half the bytes of an fp32 one; oneDNN packs no bf16 weight without AVX-512
+// (or AVX-NE-CONVERT), and F.linear's bf16 path there is far slower than this loop
+// (kernels/NOTES.md).
 //
 // vLLM counterpart: csrc/cpu/sgl-kernels/gemm.cpp (`convert_weight_packed`,
 // `weight_packed_linear`), the packed bf16 GEMM vLLM's CPU build takes for small weights;
@@ -30,10 +38,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
+
 namespace mini_vllm_gemm {
 
+using namespace mini_vllm_simd;
+
 constexpr int64_t kPanelColumns = 32;
-constexpr int kTileRows = 8;  // 16 accumulators + 2 weight registers + 1 broadcast of 32
+// AVX-512: 16 accumulators + 2 weight registers + 1 broadcast of 32; AVX2: 2 rows (8 ymm
+// accumulators, the widened weights in the rest). Each output's instruction sequence is the
+// same whatever the tile, so the choice changes no bit.
+constexpr int kTileRows = kGemmTileRows;
 // Rows of x taken per pass over the panels: enough to fill about a quarter of L2, so the
 // rows stay there while every panel streams past them once.
 constexpr int64_t kChunkBytes = 512 * 1024;
@@ -41,32 +56,32 @@ constexpr int64_t kChunkBytes = 512 * 1024;
 // A tile's accumulators are R rows x 32 columns in 2R registers: zeroed by `clear`, and
 // after the last step given the bias and written out by `finish`, the same for both dtypes.
 template <int R>
-inline void clear(__m512* lo, __m512* hi) {
+inline void clear(V16* lo, V16* hi) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    lo[r] = _mm512_setzero_ps();
-    hi[r] = _mm512_setzero_ps();
+    lo[r] = zero();
+    hi[r] = zero();
   }
 }
 
-inline void store_row(float* out, __m512 lo, __m512 hi) {
-  _mm512_storeu_ps(out, lo);
-  _mm512_storeu_ps(out + 16, hi);
+inline void store_row(float* out, V16 lo, V16 hi) {
+  store(out, lo);
+  store(out + 16, hi);
 }
 
-inline void store_row(uint16_t* out, __m512 lo, __m512 hi) {  // one rounding, to nearest even
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(lo));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+inline void store_row(uint16_t* out, V16 lo, V16 hi) {  // one rounding, to nearest even
+  store_bf16(out, lo);
+  store_bf16(out + 16, hi);
 }
 
 template <int R, typename T>
-inline void finish(__m512* lo, __m512* hi, const float* bias, T* out, int64_t out_stride) {
+inline void finish(V16* lo, V16* hi, const float* bias, T* out, int64_t out_stride) {
   if (bias) {  // without one, no add: 0 + (-0) would turn a -0 sum into +0
-    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
+    const V16 b_lo = load(bias), b_hi = load(bias + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      lo[r] = _mm512_add_ps(lo[r], b_lo);
-      hi[r] = _mm512_add_ps(hi[r], b_hi);
+      lo[r] = add(lo[r], b_lo);
+      hi[r] = add(hi[r], b_hi);
     }
   }
 #pragma GCC unroll 8
@@ -74,22 +89,22 @@ inline void finish(__m512* lo, __m512* hi, const float* bias, T* out, int64_t ou
 }
 
 // R rows of x (R <= kTileRows) times one panel: 32 output columns of each row. bf16: a
-// step is a pair of inputs, [pair][column][2] in the panel (VDPBF16PS).
+// step is a pair of inputs, [pair][column][2] in the panel (VDPBF16PS, or its AVX2 twin).
 template <int R>
 inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint16_t* panel,
                  const float* bias, uint16_t* out, int64_t out_stride) {
-  __m512 lo[R], hi[R];
+  V16 lo[R], hi[R];
   clear<R>(lo, hi);
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(panel + kp * 64);
-    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(panel + kp * 64 + 32);
+    const I16 w_lo = load_i(panel + kp * 64);
+    const I16 w_hi = load_i(panel + kp * 64 + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t pair;  // inputs 2kp and 2kp+1 of row r (memcpy: x's rows need no alignment)
       std::memcpy(&pair, x + r * x_stride + 2 * kp, sizeof pair);
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-      lo[r] = _mm512_dpbf16_ps(lo[r], b, w_lo);
-      hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);
+      const I16 b = set1_i(pair);
+      lo[r] = dpbf16(lo[r], b, w_lo);
+      hi[r] = dpbf16(hi[r], b, w_hi);
     }
   }
   finish<R>(lo, hi, bias, out, out_stride);
@@ -101,15 +116,15 @@ inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint1
 template <int R>
 inline void tile(const float* x, int64_t x_stride, int64_t steps, const float* panel, const float* bias,
                  float* out, int64_t out_stride) {
-  __m512 lo[R], hi[R];
+  V16 lo[R], hi[R];
   clear<R>(lo, hi);
   for (int64_t k = 0; k < steps; ++k) {
-    const __m512 w_lo = _mm512_loadu_ps(panel + k * 32), w_hi = _mm512_loadu_ps(panel + k * 32 + 16);
+    const V16 w_lo = load(panel + k * 32), w_hi = load(panel + k * 32 + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * x_stride + k]);
-      lo[r] = _mm512_fmadd_ps(b, w_lo, lo[r]);
-      hi[r] = _mm512_fmadd_ps(b, w_hi, hi[r]);
+      const V16 b = set1(x[r * x_stride + k]);
+      lo[r] = fmadd(b, w_lo, lo[r]);
+      hi[r] = fmadd(b, w_hi, hi[r]);
     }
   }
   finish<R>(lo, hi, bias, out, out_stride);
@@ -129,7 +144,7 @@ inline void run_tile(int64_t n, const T* x, int64_t x_stride, int64_t steps, con
     case 5: tile<5>(x, x_stride, steps, panel, bias, out, out_stride); break;
     case 6: tile<6>(x, x_stride, steps, panel, bias, out, out_stride); break;
     case 7: tile<7>(x, x_stride, steps, panel, bias, out, out_stride); break;
-    default: tile<8>(x, x_stride, steps, panel, bias, out, out_stride); break;
+    default: tile<kTileRows>(x, x_stride, steps, panel, bias, out, out_stride); break;
   }
 }
 

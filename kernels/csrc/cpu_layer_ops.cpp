@@ -13,7 +13,9 @@
 // from the layer's weights (the linears stream tens of MiB between two calls) a call took
 // 75 us in the engine. Here a call is one ctypes call on a parameter block, and small calls
 // run on the calling thread; only larger ones are split across the team. And the bf16 loops
-// narrow with AVX512_BF16's VCVTNEPS2BF16, one instruction where numba needs six integer ones.
+// narrow with AVX512_BF16's VCVTNEPS2BF16, one instruction where numba needs six integer ones
+// (on AVX2, simd_avx2.h's integer rounding, on 8 lanes an instruction as numba's).
+// Compiled once per instruction set (csrc/simd.h, kernels/cpu_native.py).
 //
 // Contract: the rounding points of the numba ops (cpu_layer_ops.py for fp32,
 // cpu_layer_ops_bf16.py for bf16), which torch's code in mini_vllm.models is the reference
@@ -33,13 +35,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
 #include "cpu_gemm.h"
-#include "simd_avx512.h"
 
 namespace {
 
-using mini_vllm_simd::exp16;
-using mini_vllm_simd::widen16;
+namespace simd = mini_vllm_simd;
+using simd::V16;
 
 // The parameter block the Python side fills (cpu_layer_ops_native.PARAMS names each slot).
 enum Param {
@@ -138,48 +140,53 @@ void add_row(const T* x, const T* r, T* out, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = Elem<T>::Store(Elem<T>::Load(x[j]) + Elem<T>::Load(r[j]));
 }
 
-// The bf16 rows with AVX512_BF16 written out: VCVTNEPS2BF16 narrows 16 floats to nearest
-// even in one instruction, where the generic code's integer rounding takes six (and Zen 4
-// runs each 512-bit one as two halves). It treats a denormal fp32 as zero, so a result
-// under 1.2e-38 in magnitude becomes 0 (the generic code would round it): no layer's
-// output lives there. Each loop takes 16 values a step, the last step masked.
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
-inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
-inline __m512 narrow16(__m512 v) { return widen16(to_bf16(v)); }
+// The bf16 rows written out with the SIMD layer, 16 values a step, the last step masked. On
+// AVX-512 VCVTNEPS2BF16 narrows 16 floats to nearest even in one instruction, where the
+// generic code's integer rounding takes six (and Zen 4 runs each 512-bit one as two halves).
+// It treats a denormal fp32 as zero, so a result under 1.2e-38 in magnitude becomes 0 (the
+// generic code would round it): no layer's output lives there. On AVX2 the narrowing is the
+// generic code's integer rounding (simd_avx2.h), 8 lanes an instruction.
+inline int left16(int64_t left) { return left >= 16 ? 16 : static_cast<int>(left); }
+inline V16 load16(const uint16_t* p, int n) { return n == 16 ? simd::widen16(p) : simd::widen16_n(p, n); }
+inline void store16(uint16_t* p, V16 v, int n) {
+  if (n == 16)
+    simd::store_bf16(p, v);
+  else
+    simd::store_bf16_n(p, v, n);
+}
+using simd::narrow16;
 
 template <>
 void add_row<uint16_t>(const uint16_t* x, const uint16_t* r, uint16_t* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
-    __mmask16 m = tail_mask(n - j);
-    store16(out + j, _mm512_add_ps(load16(x + j, m), load16(r + j, m)), m);
+    const int m = left16(n - j);
+    store16(out + j, simd::add(load16(x + j, m), load16(r + j, m)), m);
   }
 }
 
 template <>
 void norm_row<uint16_t>(const uint16_t* x, const uint16_t* weight, float eps, uint16_t* out, int64_t n) {
-  __m512 ss = _mm512_setzero_ps();
+  V16 ss = simd::zero();
   for (int64_t j = 0; j < n; j += 16) {
-    __m512 v = load16(x + j, tail_mask(n - j));
-    ss = _mm512_fmadd_ps(v, v, ss);
+    V16 v = load16(x + j, left16(n - j));
+    ss = simd::fmadd(v, v, ss);
   }
-  __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(n) + eps));
+  V16 inv = simd::set1(1.0f / std::sqrt(simd::reduce_add(ss) / float(n) + eps));
   for (int64_t j = 0; j < n; j += 16) {
-    __mmask16 m = tail_mask(n - j);
-    __m512 normed = narrow16(_mm512_mul_ps(load16(x + j, m), inv));
-    store16(out + j, _mm512_mul_ps(load16(weight + j, m), normed), m);
+    const int m = left16(n - j);
+    V16 normed = narrow16(simd::mul(load16(x + j, m), inv));
+    store16(out + j, simd::mul(load16(weight + j, m), normed), m);
   }
 }
 
 template <>
 void silu_and_mul_row<uint16_t>(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  const V16 one = simd::set1(1.0f), zero = simd::zero();
   for (int64_t j = 0; j < n; j += 16) {
-    __mmask16 m = tail_mask(n - j);
-    __m512 g = load16(gate + j, m);
-    __m512 silu = narrow16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
-    store16(out + j, _mm512_mul_ps(silu, load16(up + j, m)), m);
+    const int m = left16(n - j);
+    V16 g = load16(gate + j, m);
+    V16 silu = narrow16(simd::div(g, simd::add(one, simd::exp16(simd::sub(zero, g)))));
+    store16(out + j, simd::mul(silu, load16(up + j, m)), m);
   }
 }
 
@@ -187,11 +194,11 @@ template <>
 void rotate_head<uint16_t>(const uint16_t* x1, const uint16_t* x2, const float* cos, const float* sin,
                            uint16_t* o1, uint16_t* o2, int64_t half) {
   for (int64_t j = 0; j < half; j += 16) {
-    __mmask16 m = tail_mask(half - j);
-    __m512 a = load16(x1 + j, m), b = load16(x2 + j, m);
-    __m512 c = _mm512_maskz_loadu_ps(m, cos + j), s = _mm512_maskz_loadu_ps(m, sin + j);
-    store16(o1 + j, _mm512_sub_ps(narrow16(_mm512_mul_ps(a, c)), narrow16(_mm512_mul_ps(b, s))), m);
-    store16(o2 + j, _mm512_add_ps(narrow16(_mm512_mul_ps(b, c)), narrow16(_mm512_mul_ps(a, s))), m);
+    const int m = left16(half - j);
+    V16 a = load16(x1 + j, m), b = load16(x2 + j, m);
+    V16 c = simd::load_n(cos + j, m), s = simd::load_n(sin + j, m);
+    store16(o1 + j, simd::sub(narrow16(simd::mul(a, c)), narrow16(simd::mul(b, s))), m);
+    store16(o2 + j, simd::add(narrow16(simd::mul(b, c)), narrow16(simd::mul(a, s))), m);
   }
 }
 
@@ -304,12 +311,12 @@ int64_t units(const int64_t* params) {
 extern "C" {
 
 // The number of parameter slots the caller must fill (checked once at load).
-int64_t mini_vllm_layer_op_num_params() { return kNumParams; }
+int64_t MINI_VLLM_EXPORT(mini_vllm_layer_op_num_params)() { return kNumParams; }
 
 // Checks the call, then, when `run` is nonzero, computes every row on the calling thread.
 // Returns 0; 1 for a position outside the cos/sin table, 2 for a head over kMaxHeadSize (no
 // row written). The Python side passes run = 0 before splitting the rows between threads.
-int64_t mini_vllm_layer_op(const int64_t* params, int64_t run) {
+int64_t MINI_VLLM_EXPORT(mini_vllm_layer_op)(const int64_t* params, int64_t run) {
   if (params[kOp] == kRope || params[kOp] == kQkNormRope) {
     if (params[kHeadSize] > kMaxHeadSize) return 2;
     const int64_t* pos = reinterpret_cast<const int64_t*>(params[kPositions]);
@@ -323,7 +330,7 @@ int64_t mini_vllm_layer_op(const int64_t* params, int64_t run) {
 // Worker w of n: units [total * w / n, total * (w + 1) / n) (rows, or a linear's panels),
 // called once per thread by numba's prange (cpu_layer_ops_native._fan_out) after
 // mini_vllm_layer_op(params, 0) returned 0.
-void mini_vllm_layer_op_worker(const int64_t* params, int64_t w, int64_t n) {
+void MINI_VLLM_EXPORT(mini_vllm_layer_op_worker)(const int64_t* params, int64_t w, int64_t n) {
   const int64_t total = units(params);
   run_range(params, total * w / n, total * (w + 1) / n);
 }

@@ -7,7 +7,9 @@ Every numba function the engine calls is compiled for Haswell, run on a few
 batches and compared with torch: the paged-attention kernel (fp32, bf16 and fp16
 caches; the decode path, the tiled path, a mixed batch) against Chapter 1's
 reference, and the fused layer ops (fp32 and bf16) against their torch formulas.
-Then its machine code is scanned for any AVX-512 instruction.
+Then its machine code is scanned for any AVX-512 instruction. The same cases run
+again through the C++ kernels, which such a CPU runs in their AVX2 build
+(kernels/cpu_native.py; test_kernels_cpu_native.py scans that build's code).
 
 No arguments. Prints one JSON object: numba's target CPU and feature string,
 per case the largest difference from torch, per compiled function the count of
@@ -120,7 +122,9 @@ def main() -> None:
     from mini_vllm.kernels import cpu_native, cpu_paged_attention as cpa
 
     torch.set_num_threads(2)  # the parallel loops with more than one thread
-    errors = {**attention_cases(torch, cpa, ref), **layer_op_cases(torch, ops)}
+    with cpu_native.numba_only():  # the numba loops, which the C++ kernels would replace
+        errors = {**attention_cases(torch, cpa, ref), **layer_op_cases(torch, ops)}
+    native = {**attention_cases(torch, cpa, ref), **layer_op_cases(torch, ops)}  # the C++ build numba's target allows
     codegen = cpu_target.target_context.codegen()
     functions = {"_varlen_kernel": cpa._varlen_kernel, "_decode_item": cpa._decode_item,
                  "_attend_item": cpa._attend_item, "_rms_norm_rows": ops._rms_norm_rows,
@@ -133,7 +137,8 @@ def main() -> None:
     code, empty = scan(functions)
     print(json.dumps({"cpu": codegen._get_host_cpu_name(), "features": codegen._get_host_cpu_features(),
                       "errors": errors, "code": code, "not_compiled": empty,
-                      "native": cpu_native.unavailable_reason(), "native_loaded": cpu_native.library() is not None}))
+                      "native": cpu_native.unavailable_reason(), "native_isa": cpu_native.isa(),
+                      "native_loaded": cpu_native.library() is not None, "native_errors": native}))
 
 
 if __name__ == "__main__":
