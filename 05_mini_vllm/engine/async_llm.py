@@ -224,9 +224,16 @@ class AsyncLLM:
             if self.on_dead is not None:
                 self.on_dead(e)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for q in list(self._queues.values()):
+    def fail_requests(self, exc: BaseException) -> int:
+        """End every request in flight with `exc` (a server that shuts down answers
+        them with it); returns how many. Their consumers' cleanup aborts them."""
+        return self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> int:
+        queues = list(self._queues.values())
+        for q in queues:
             q.put_nowait(exc)
+        return len(queues)
 
     def _record_stats(self, sched_stats, spec_stats) -> None:
         """Hand the loggers what the last step changed."""

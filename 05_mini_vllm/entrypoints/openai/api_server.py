@@ -13,14 +13,15 @@ Invariants:
   untouched, so in-flight requests never notice a bad one.
 - With `--api-key`, every /v1 route needs `Authorization: Bearer KEY` (401
   otherwise); /health, /version and /metrics stay open, as in vLLM.
-- SIGINT/SIGTERM: uvicorn stops accepting, waits up to
-  `--timeout-graceful-shutdown` seconds for in-flight responses, then the
-  engine aborts what is left and the process exits with code 0.
+- SIGINT/SIGTERM: the server stops accepting, waits up to
+  `--timeout-graceful-shutdown` seconds for in-flight responses, answers
+  what is left with 503 (an error event and [DONE] in a stream), and the
+  process exits with code 0 (`launcher.ApiServer`).
 - A dead engine ends the process: every in-flight request gets an error
   (a 503 body, or an error event in a stream), /health answers 503, and the
   server shuts down and exits with code 1 (vLLM's API server does the same
   when its engine core dies), so that a supervisor restarts it. The log names
-  the exception, with its traceback.
+  the exception.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import mini_vllm
 from mini_vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from mini_vllm.entrypoints.launcher import ApiServer
 from mini_vllm.metrics.prometheus import PrometheusStatLogger
 from mini_vllm.entrypoints.openai.openapi import build_openapi
 from mini_vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -259,15 +261,11 @@ def run_server(args, engine_kwargs: dict) -> int:
                      "max_logprobs": args.max_logprobs, "policy": args.policy,
                      "structured_outputs_config": _json_arg("--structured-outputs-config",
                                                             args.structured_outputs_config)}
-    server: uvicorn.Server | None = None  # set below; the engine only steps once it serves
-    exit_code = 0
+    server: ApiServer | None = None  # set below; the engine only steps once it serves
 
     def on_engine_dead(exc: BaseException) -> None:
-        nonlocal exit_code
-        exit_code = 1
-        logger.error("engine died (%r): shutting the server down so that a supervisor restarts it", exc)
         if server is not None:
-            server.should_exit = True  # uvicorn's own graceful shutdown, as after SIGTERM
+            server.engine_dead(exc)
 
     engine = AsyncLLM.from_engine_args(args.model, stat_loggers=[stat_logger], on_dead=on_engine_dead,
                                        **engine_kwargs)
@@ -278,18 +276,10 @@ def run_server(args, engine_kwargs: dict) -> int:
     app = build_app(engine, names, args.model, stat_logger, api_key,
                     _read_chat_template(args.chat_template), args.exclude_tools_when_tool_choice_none)
 
-    class _Server(uvicorn.Server):
-        # uvicorn re-raises the signal after a graceful shutdown, which would make the
-        # exit status 128 + signum; a drained server has done its job and exits 0.
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                             access_log=args.access_log)
     logger.info("serving %s as %s on http://%s:%d", args.model, names, args.host, args.port)
-    server = _Server(config)
+    server = ApiServer(config, engine, args.timeout_graceful_shutdown)
     server.run()
     engine.shutdown()
     # Everything is drained and stopped; skip the interpreter's teardown of torch
@@ -297,4 +287,4 @@ def run_server(args, engine_kwargs: dict) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(exit_code)
+    os._exit(server.exit_code)
