@@ -45,69 +45,61 @@ namespace mini_vllm_gemm {
 using namespace mini_vllm_simd;
 
 constexpr int64_t kPanelColumns = 32;
-// AVX-512: 16 accumulators + 2 weight registers + 1 broadcast of 32; AVX2: 2 rows (8 ymm
-// accumulators, the widened weights in the rest). Each output's instruction sequence is the
-// same whatever the tile, so the choice changes no bit.
+// A tile is up to kTileRows rows x the 16-column halves of a panel one pass takes (both for
+// tiles of up to kGemmBothHalvesRows rows, else one), one accumulator each. AVX-512 (32 zmm):
+// 8 rows x both halves, 16 accumulators + 2 weight registers + 1 broadcast. AVX2 (16 ymm, a
+// 16-lane value in two): 4 rows x one half, 8 ymm accumulators, the half's weights widened to
+// 4 and the row's pair to 2, the panel walked once per half (every other 64-byte line); a
+// decode's 1 or 2 rows take both halves in one pass, so its weight streams once, in order.
+// Each output's instruction sequence is the same whatever the tile, so the choice changes no
+// bit.
 constexpr int kTileRows = kGemmTileRows;
+template <int R> constexpr int kPassHalves = R <= kGemmBothHalvesRows ? 2 : 1;
 // Rows of x taken per pass over the panels: enough to fill about a quarter of L2, so the
 // rows stay there while every panel streams past them once.
 constexpr int64_t kChunkBytes = 512 * 1024;
 
-// A tile's accumulators are R rows x 32 columns in 2R registers: zeroed by `clear`, and
-// after the last step given the bias and written out by `finish`, the same for both dtypes.
-template <int R>
-inline void clear(V16* lo, V16* hi) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    lo[r] = zero();
-    hi[r] = zero();
-  }
-}
+inline void store16(float* out, V16 v) { store(out, v); }
+inline void store16(uint16_t* out, V16 v) { store_bf16(out, v); }  // one rounding, to nearest even
 
-inline void store_row(float* out, V16 lo, V16 hi) {
-  store(out, lo);
-  store(out + 16, hi);
-}
-
-inline void store_row(uint16_t* out, V16 lo, V16 hi) {  // one rounding, to nearest even
-  store_bf16(out, lo);
-  store_bf16(out + 16, hi);
-}
-
-template <int R, typename T>
-inline void finish(V16* lo, V16* hi, const float* bias, T* out, int64_t out_stride) {
+// After a tile's last step: + bias (fp32) and out, for R rows x H halves from half h0.
+template <int R, int H, typename T>
+inline void finish(V16 (*acc)[H], const float* bias, int h0, T* out, int64_t out_stride) {
   if (bias) {  // without one, no add: 0 + (-0) would turn a -0 sum into +0
-    const V16 b_lo = load(bias), b_hi = load(bias + 16);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      lo[r] = add(lo[r], b_lo);
-      hi[r] = add(hi[r], b_hi);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] = add(acc[r][h], load(bias + 16 * (h0 + h)));
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) store_row(out + r * out_stride, lo[r], hi[r]);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) store16(out + r * out_stride + 16 * (h0 + h), acc[r][h]);
 }
 
-// R rows of x (R <= kTileRows) times one panel: 32 output columns of each row. bf16: a
-// step is a pair of inputs, [pair][column][2] in the panel (VDPBF16PS, or its AVX2 twin).
+// R rows of x (R <= kTileRows) times one panel: 32 output columns of each row, kPassHalves<R>
+// halves of 16 at a time. bf16: a step is a pair of inputs, [pair][column][2] in the panel
+// (VDPBF16PS, or its AVX2 twin).
 template <int R>
 inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint16_t* panel,
                  const float* bias, uint16_t* out, int64_t out_stride) {
-  V16 lo[R], hi[R];
-  clear<R>(lo, hi);
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const I16 w_lo = load_i(panel + kp * 64);
-    const I16 w_hi = load_i(panel + kp * 64 + 32);
+  constexpr int H = kPassHalves<R>;
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    V16 acc[R][H];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;  // inputs 2kp and 2kp+1 of row r (memcpy: x's rows need no alignment)
-      std::memcpy(&pair, x + r * x_stride + 2 * kp, sizeof pair);
-      const I16 b = set1_i(pair);
-      lo[r] = dpbf16(lo[r], b, w_lo);
-      hi[r] = dpbf16(hi[r], b, w_hi);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] = zero();
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      I16 w[H];
+      for (int h = 0; h < H; ++h) w[h] = load_i(panel + kp * 64 + 32 * (h0 + h));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;  // inputs 2kp and 2kp+1 of row r (memcpy: x's rows need no alignment)
+        std::memcpy(&pair, x + r * x_stride + 2 * kp, sizeof pair);
+        const I16 b = set1_i(pair);
+        for (int h = 0; h < H; ++h) acc[r][h] = dpbf16(acc[r][h], b, w[h]);
+      }
     }
+    finish<R, H>(acc, bias, h0, out, out_stride);
   }
-  finish<R>(lo, hi, bias, out, out_stride);
 }
 
 // fp32: a step is one input, [k][column] in the panel (FMA). oneDNN's products were the
@@ -116,18 +108,23 @@ inline void tile(const uint16_t* x, int64_t x_stride, int64_t pairs, const uint1
 template <int R>
 inline void tile(const float* x, int64_t x_stride, int64_t steps, const float* panel, const float* bias,
                  float* out, int64_t out_stride) {
-  V16 lo[R], hi[R];
-  clear<R>(lo, hi);
-  for (int64_t k = 0; k < steps; ++k) {
-    const V16 w_lo = load(panel + k * 32), w_hi = load(panel + k * 32 + 16);
+  constexpr int H = kPassHalves<R>;
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    V16 acc[R][H];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const V16 b = set1(x[r * x_stride + k]);
-      lo[r] = fmadd(b, w_lo, lo[r]);
-      hi[r] = fmadd(b, w_hi, hi[r]);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] = zero();
+    for (int64_t k = 0; k < steps; ++k) {
+      V16 w[H];
+      for (int h = 0; h < H; ++h) w[h] = load(panel + k * 32 + 16 * (h0 + h));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const V16 b = set1(x[r * x_stride + k]);
+        for (int h = 0; h < H; ++h) acc[r][h] = fmadd(b, w[h], acc[r][h]);
+      }
     }
+    finish<R, H>(acc, bias, h0, out, out_stride);
   }
-  finish<R>(lo, hi, bias, out, out_stride);
 }
 
 // Inputs per step of the k loop: a bf16 pair, or one fp32.

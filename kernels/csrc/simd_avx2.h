@@ -19,7 +19,8 @@
 
 namespace mini_vllm_simd {
 
-constexpr int kScoreRows = 2, kScoreKeys = 2, kPvVectors = 4, kTileDims = 4, kGemmTileRows = 2;
+constexpr int kScoreRows = 2, kScoreKeys = 2, kPvVectors = 4, kTileDims = 4, kGemmTileRows = 4,
+              kGemmBothHalvesRows = 2;
 
 struct V16 { __m256 lo, hi; };
 struct I16 { __m256i lo, hi; };

@@ -11,8 +11,10 @@ namespace mini_vllm_simd {
 
 // Register budgets of the kernels' loops (32 zmm registers): query rows and keys per pass of
 // the score loop, 16-lane accumulators per pass of P V, dims per pass of a lane tile, rows per
-// tile of the linear. A row's arithmetic does not depend on any of them.
-constexpr int kScoreRows = 4, kScoreKeys = 4, kPvVectors = 16, kTileDims = 16, kGemmTileRows = 8;
+// tile of the linear and 16-column halves of a panel per pass. A row's arithmetic does not
+// depend on any of them.
+constexpr int kScoreRows = 4, kScoreKeys = 4, kPvVectors = 16, kTileDims = 16, kGemmTileRows = 8,
+              kGemmBothHalvesRows = 8;
 
 using V16 = __m512;    // 16 fp32 lanes
 using I16 = __m512i;   // 16 int32 lanes (or 16 bf16 pairs)
