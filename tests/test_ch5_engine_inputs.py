@@ -141,15 +141,56 @@ def test_bad_engine_config(kw, field):
         make_llm(**kw)
 
 
-def test_missing_model_folder(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope"):
-        LLM(str(tmp_path / "nope"))
+def _bad_checkpoint(tmp_path, case: str) -> str:
+    """A model folder wrong in one way: missing, without weights, of an unknown architecture,
+    of an unknown model type."""
+    from mini_vllm.course.tiny_models import model_path
+
+    if case == "missing":
+        return str(tmp_path / "nope")
+    config = json.loads((model_path("tiny-py-target") / "config.json").read_text())
+    if case == "architecture":
+        config["architectures"] = ["FooForCausalLM"]
+    if case == "model_type":
+        config = {"model_type": "gpt2", "vocab_size": 10, "architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if case != "weights":
+        (tmp_path / "model.safetensors").write_bytes(b"")  # never opened: the config is refused first
+    return str(tmp_path)
 
 
-def test_unknown_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
-    with pytest.raises(ValueError, match="gpt2"):
-        LLM(str(tmp_path))
+# vLLM 0.32 raises these in the calling process (`EngineArgs.create_engine_config`; the weights'
+# in its worker, with this type and wording); so must the front end, before any core starts.
+BAD_CHECKPOINTS = [
+    ("missing", ValueError, r"Invalid repository ID or local directory specified: '.*nope'"),
+    ("weights", RuntimeError, r"Cannot find any model weights with `.*`"),
+    ("architecture", ValueError, r"Model architectures \['FooForCausalLM'\] are not supported for now\. "
+                                 r"Supported architectures: \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"),
+    ("model_type", ValueError, r"model_type 'gpt2' is not supported"),
+]
+
+
+@pytest.mark.parametrize("case,error,match", BAD_CHECKPOINTS)
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_a_bad_checkpoint_is_refused_before_any_core_starts(monkeypatch, tmp_path, case, error, match, multiprocess):
+    from mini_vllm.engine import llm_engine
+
+    def no_core(*args, **kwargs):
+        raise AssertionError(f"a core was started for a checkpoint the front end could refuse ({case})")
+
+    monkeypatch.setattr(llm_engine, "SyncMPClient", no_core)
+    monkeypatch.setattr(llm_engine, "InprocClient", no_core)
+    with pytest.raises(error, match=match):
+        LLM(_bad_checkpoint(tmp_path, case), multiprocess_mode=multiprocess)
+
+
+@pytest.mark.parametrize("case,error,match", BAD_CHECKPOINTS[:2])
+def test_the_async_engine_refuses_a_bad_checkpoint_before_its_core_starts(monkeypatch, tmp_path, case, error, match):
+    from mini_vllm.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "AsyncMPClient", lambda *a, **k: pytest.fail("a core was started"))
+    with pytest.raises(error, match=match):
+        async_llm.AsyncLLM.from_engine_args(_bad_checkpoint(tmp_path, case))
 
 
 def test_folder_without_tokenizer_uses_the_config_eos(tmp_path):

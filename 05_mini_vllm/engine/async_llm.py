@@ -47,6 +47,7 @@ from mini_vllm.engine.core_client import AsyncMPClient
 from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.metrics.stats import StepStats
+from mini_vllm.models.checkpoint_checks import check_checkpoint
 from mini_vllm.outputs import RequestOutput
 
 logger = logging.getLogger("mini_vllm")
@@ -90,6 +91,7 @@ class AsyncLLM:
         mp = engine_args.pop("multiprocess_mode", None)
         mp = multiprocessing_enabled() if mp is None else mp
         config = EngineConfig.from_kwargs(str(model), **engine_args)
+        check_checkpoint(config.model)  # vLLM's errors, before the core process starts
         client = AsyncMPClient(config, executor_class, in_thread=not mp)
         try:
             engine = LLMEngine(config, tok, executor_class, client=client)

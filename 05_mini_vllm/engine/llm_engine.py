@@ -39,6 +39,7 @@ from mini_vllm.engine.parallel_sampling import ParentRequest
 from mini_vllm.engine.processor import Processor, load_tokenizer
 from mini_vllm.generation_config import get_diff_sampling_param
 from mini_vllm.metrics.loggers import EngineMetrics, LoggingStatLogger
+from mini_vllm.models.checkpoint_checks import check_checkpoint
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class LLMEngine:
         self.config = config
         mp = multiprocessing_enabled() if multiprocess_mode is None else multiprocess_mode
         if client is None:
+            # What the caller's process can check it checks before any engine process starts
+            # (vLLM's order): a missing folder, weights or architecture raises vLLM's error here.
+            check_checkpoint(config.model)
             client = SyncMPClient(config, executor_class) if mp else InprocClient(config, executor_class)
         self.engine_core = client
         ready = self.engine_core.ready
