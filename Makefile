@@ -39,10 +39,11 @@ $(LINKS): $(DEPS) $(MODLIST)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m mini_vllm.demo
 
-# The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks.
+# The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks;
+# the 25 slowest tests are listed at the end (where `make test`'s time goes).
 test: $(STAMP)
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
+	$(PY) -m pytest -q --durations=25 tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
 	echo "make test wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-fast: $(STAMP)
