@@ -7,8 +7,8 @@ vLLM counterpart: `vllm/v1/engine/core_client.py` (`EngineCoreClient.make_client
   runs one step (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`; here
   `MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0`). Readable, debuggable, no overlap.
 - `SyncMPClient` (`LLM`, `LLMEngine`) and `AsyncMPClient` (`AsyncLLM`, the
-  server): the core is an `EngineCoreProc` in its own process (forked where
-  that is safe, else spawned: `utils.get_mp_context`), or in
+  server): the core is an `EngineCoreProc` in its own process (forked unless
+  CUDA is initialised, else spawned: `utils.get_mp_context`), or in
   a thread of this one (`in_thread=True`, the in-process mode of `AsyncLLM`),
   reached over two ZeroMQ PUSH/PULL pipes carrying msgpack (`serial_utils`).
 
@@ -123,8 +123,9 @@ class MPClient:
         self._core_box: list[EngineCoreProc] = []  # in_thread: the core, once built
         self._core_thread: threading.Thread | None = None
         if not in_thread:
-            # Before ZeroMQ starts its I/O threads: fork is safe only in a one-thread process.
-            # The core connects to addresses nobody binds yet; ZeroMQ retries until we do.
+            # Before ZeroMQ starts its I/O threads, which a forked child would not have (with
+            # their locks held for ever). The core connects to addresses nobody binds yet;
+            # ZeroMQ retries until we do.
             import torch
 
             mp_ctx = get_mp_context()

@@ -172,33 +172,52 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
                     parent_pid: int | None = None) -> None:
     """The core process's body (vLLM's `EngineCoreProc.run_engine_core`): build the
     core, run the busy loop until SHUTDOWN (or SIGTERM, or the front end's death),
-    and exit with 0; on any error tell the front end (DEAD) and exit with 1."""
+    and exit with 0; on any error tell the front end (DEAD) and exit with 1.
+
+    The core runs in a thread of its own, not in the main thread: a forked core's
+    main thread carries the front end's OpenMP thread pool, whose threads do not
+    exist in this process, so its first parallel op would wait for them for ever
+    (GNU OpenMP has no fork handler); a new thread starts a pool of its own. The
+    main thread only waits, and turns SIGTERM into a SHUTDOWN message."""
     from mini_vllm.engine.utils import set_process_title
 
     set_process_title("EngineCore")
     # force: a forked core inherits the front end's handlers; its lines say [core].
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s [core]: %(message)s",
                         force=True)
+    box: list[EngineCoreProc] = []  # the core, once built
+    status = [0]
 
     def _on_term(signum, frame):
-        raise SystemExit(0)  # unwinds the loop, so the executor's workers stop too
+        if not box:
+            os._exit(0)  # still loading: nothing to stop yet
+        box[0].input_queue.put((EngineCoreRequestType.SHUTDOWN, None))  # after the step in progress
 
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C goes to the front end, which shuts us down
+    loop = threading.Thread(target=_core_main, name="EngineCoreLoop", args=(
+        box, status, config, input_address, output_address, executor_class, num_threads, parent_pid))
+    loop.start()
+    while loop.is_alive():
+        loop.join(0.5)  # with a timeout, so that the main thread runs the signal handler
+    os._exit(status[0])  # skip torch's interpreter teardown; nothing is left to flush
+
+
+def _core_main(box: list, status: list, config, input_address, output_address, executor_class, num_threads,
+               parent_pid) -> None:
     if num_threads is not None:
         import torch
 
         torch.set_num_threads(num_threads)  # the front end's choice, not torch's default
     ctx = zmq.Context()
-    core, status = None, 0
+    core = None
     try:
         core = EngineCoreProc(config, input_address, output_address, ctx, executor_class, parent_pid)
+        box.append(core)
         core.run_busy_loop()
-    except SystemExit:
-        pass
     except BaseException as e:  # noqa: BLE001 - whatever kills the loop kills the engine
         logger.exception("engine core died: %r", e)
-        status = 1
+        status[0] = 1
         report_dead(core, ctx, output_address, e)
     finally:
         if core is not None:
@@ -206,7 +225,6 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
         # Not linger=0: that would drop a DEAD message still in the socket's queue, and
         # the front end would learn only an exit status instead of the cause.
         ctx.destroy(linger=2000)
-    os._exit(status)  # skip torch's interpreter teardown; nothing is left to flush
 
 
 def remove_socket_files(paths) -> None:

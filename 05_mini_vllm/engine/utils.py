@@ -17,7 +17,7 @@ Invariants:
   time the receiver gets to deliver a DEAD message naming the cause;
 - `close_core` is idempotent and ends with no core process left and no socket
   file left;
-- the core process is forked where that is safe (vLLM's default), spawned
+- the core process is forked unless CUDA is initialised (vLLM's rule), spawned
   otherwise, and a main module that spawn cannot import is refused up front.
 """
 from __future__ import annotations
@@ -44,22 +44,14 @@ _MP_METHODS = ("fork", "spawn", "forkserver")
 
 
 def _fork_hazard() -> str | None:
-    """Why forking this process now could hang or break the child, or None.
-
-    fork copies the calling thread only: a lock another thread holds stays held in
-    the child for ever. That is what happens to OpenMP's thread pool once PyTorch
-    has run a parallel op here (the child's first parallel op hangs), and to the
-    CUDA driver once it is initialised (vLLM's `_maybe_force_spawn`)."""
+    """Why forking this process now would break the child, or None (vLLM's
+    `_maybe_force_spawn`): the CUDA driver cannot be used in a child forked after
+    it was initialised. (OpenMP's thread pool, which a fork also leaves behind, is
+    handled in the child: `core_proc.run_engine_core` runs the core in a new thread.)"""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:
-        return "this platform cannot tell whether the process is single-threaded (no /proc)"
-    if threads > 1:
-        return f"this process runs {threads} threads (OpenMP's pool, once PyTorch ran a parallel op, or others)"
     return None
 
 
@@ -67,10 +59,10 @@ def get_mp_context() -> multiprocessing.context.BaseContext:
     """The start method of the engine core process (vLLM's `get_mp_context`).
 
     MINI_VLLM_WORKER_MULTIPROC_METHOD chooses (fork, spawn or forkserver); unset,
-    fork where it is safe (Linux, one thread, no CUDA: start-up skips re-importing
-    torch and the main module), spawn otherwise. An explicit fork where it is not
-    safe becomes spawn when CUDA is initialised, as in vLLM, and is kept, with a
-    warning, otherwise (the user asked for it)."""
+    fork on Linux unless CUDA is initialised (start-up then skips re-importing
+    torch and the main module), spawn otherwise (macOS: fork is unsafe there). An
+    explicit fork after CUDA was initialised becomes spawn, with a warning, as in
+    vLLM."""
     method = os.environ.get(MP_METHOD_ENV)
     if method is not None and method not in _MP_METHODS:
         raise ValueError(f"{MP_METHOD_ENV} must be one of {list(_MP_METHODS)}, got {method!r}")
@@ -80,12 +72,8 @@ def get_mp_context() -> multiprocessing.context.BaseContext:
         if hazard is not None:
             logger.info("starting the engine core with spawn, not fork: %s", hazard)
     elif method == "fork" and hazard is not None:
-        if "CUDA" in hazard:
-            logger.warning("%s=fork overridden with spawn: %s", MP_METHOD_ENV, hazard)
-            method = "spawn"
-        else:
-            logger.warning("%s=fork although %s: the engine core may hang at its first parallel op",
-                           MP_METHOD_ENV, hazard)
+        logger.warning("%s=fork overridden with spawn: %s", MP_METHOD_ENV, hazard)
+        method = "spawn"
     if method != "fork":
         check_main_importable(method)
     return multiprocessing.get_context(method)
@@ -104,7 +92,7 @@ def check_main_importable(method: str) -> None:
         f"the engine core process would be started with {method}, which imports the main module again, and "
         f"the main module {path!r} is not a file it can import (a script read from stdin?). Save the script "
         f"to a file and put the code that builds the engine under `if __name__ == \"__main__\":`, or set "
-        f"{MP_METHOD_ENV}=fork in a process that has not started threads yet")
+        f"{MP_METHOD_ENV}=fork")
 
 
 def spawn_hint(method: str) -> str:
