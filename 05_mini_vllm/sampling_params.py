@@ -13,11 +13,13 @@ field and its allowed range, checked once here so the sampler never has to):
   repetition_penalty > 0; max_tokens >= 1; 0 <= min_tokens <= max_tokens;
   logprobs and prompt_logprobs None or >= 0; seed None or an int64 (what
   torch's generators and vLLM's API take); `stop` and `bad_words` are lists
-  of non-empty strings that UTF-8 can encode (no lone surrogates);
+  of non-empty strings that UTF-8 can encode (no lone surrogates), at most
+  MAX_NUM_BAD_WORDS bad words and MAX_STOP_TOKEN_IDS stop token ids (vLLM's
+  bounds; the API also allows at most MAX_STOP_STRINGS stop strings);
   logit_bias maps int token ids to finite biases, clamped to [-100, 100]
   (vLLM's range); allowed_token_ids is None or a non-empty list of ids >= 0;
   structured_outputs is None or a `StructuredOutputsParams` with exactly one
-  constraint. Token ids are checked against the vocabulary by the engine,
+  constraint (a JSON schema nested at most MAX_JSON_SCHEMA_DEPTH levels). Token ids are checked against the vocabulary by the engine,
   which knows it.
 - n > 1 needs sampling: greedy samples would all be the same (vLLM rejects it).
 - skip_reading_prefix_cache defaults to `prompt_logprobs is not None`, as in
@@ -44,6 +46,16 @@ _SAMPLING_EPS = 1e-5
 # environment variable MINI_VLLM_MAX_N_SEQUENCES says otherwise), seeds in int64.
 MAX_TEMPERATURE = 2.0
 MAX_N_SEQUENCES = int(os.environ.get("MINI_VLLM_MAX_N_SEQUENCES", "16384"))
+# vLLM's bounds on what one request may carry, each a cost on every step or a
+# compile of the request (vLLM's VLLM_MAX_* environment variables, here MINI_VLLM_MAX_*):
+# stop strings (the API's, checked in entrypoints/openai/protocol.py), stop token
+# ids, bad words and their tokens in all (the processor counts those), and the
+# nesting of a JSON schema given to structured outputs.
+MAX_STOP_STRINGS = int(os.environ.get("MINI_VLLM_MAX_STOP_STRINGS", "4"))
+MAX_STOP_TOKEN_IDS = int(os.environ.get("MINI_VLLM_MAX_STOP_TOKEN_IDS", "128"))
+MAX_NUM_BAD_WORDS = int(os.environ.get("MINI_VLLM_MAX_NUM_BAD_WORDS", "128"))
+MAX_BAD_WORDS_TOTAL_TOKENS = int(os.environ.get("MINI_VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", "1024"))
+MAX_JSON_SCHEMA_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
@@ -90,6 +102,9 @@ class StructuredOutputsParams:
                              f"json_object; got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        if self.json is not None and (depth := json_depth(self.json)) > MAX_JSON_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json is nested {depth} levels deep (objects and arrays); "
+                             f"at most {MAX_JSON_SCHEMA_DEPTH} are allowed")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -112,6 +127,32 @@ class StructuredOutputsParams:
         if unknown:
             raise ValueError(f"structured_outputs has unsupported field(s) {unknown}; supported: {sorted(known)}")
         return cls(**value)
+
+
+def json_depth(doc) -> int:
+    """How deep objects and arrays nest in a JSON document (a parsed one, or its text),
+    without recursion: a schema nested 100,000 levels must not overflow the stack."""
+    if isinstance(doc, str):  # brackets outside string literals
+        depth = best = 0
+        in_str = esc = False
+        for ch in doc:
+            if in_str:
+                esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+            elif ch == '"':
+                in_str = True
+            elif ch in "[{":
+                depth += 1
+                best = max(best, depth)
+            elif ch in "]}":
+                depth -= 1
+        return best
+    best, stack = 0, [(doc, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            best = max(best, d)
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return best
 
 
 class SamplingType(enum.IntEnum):
@@ -206,6 +247,9 @@ class SamplingParams(SchedulerSamplingParams):
             check_encodable("stop", s)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries "
+                             f"(MINI_VLLM_MAX_STOP_TOKEN_IDS), got {len(self.stop_token_ids)}")
         super().__post_init__()  # normalises stop_token_ids to a tuple
         if self.top_k == -1:
             self.top_k = 0
@@ -246,6 +290,9 @@ class SamplingParams(SchedulerSamplingParams):
                 raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
             for w in words:
                 check_encodable("bad_words", w)
+            if len(words) > MAX_NUM_BAD_WORDS:
+                raise ValueError(f"bad_words must have at most {MAX_NUM_BAD_WORDS} entries "
+                                 f"(MINI_VLLM_MAX_NUM_BAD_WORDS), got {len(words)}")
             self.bad_words = list(dict.fromkeys(words))
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 

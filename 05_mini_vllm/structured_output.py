@@ -9,8 +9,9 @@ token by token and fills a bitmask of the tokens allowed next.
 
 How it plugs into the engine:
 - `Processor.process_inputs` (`engine/processor.py`) compiles the request's constraint once, so a
-  schema or regex that does not compile is a ValueError (a 400) before the
-  request is queued; the compiler caches it for the runner.
+  schema or regex that does not compile, or that accepts no output at all (its
+  first step allows no token, not even the end), is a ValueError (a 400) before
+  the request is queued; the compiler caches it for the runner.
 - The model runner keeps one `Grammar` per constrained request. Before each
   sampling step it feeds the matcher the output tokens it has not seen (from
   the runner's own token list, which the scheduler keeps exact on every rank),
@@ -96,6 +97,25 @@ class XgrammarBackend:
         except (RuntimeError, ValueError, TypeError) as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {msg}") from None
+
+    def validate(self, so) -> None:
+        """Compile the constraint (a ValueError naming it when it does not compile) and
+        refuse one that accepts no output at all: a grammar whose first step allows no
+        token of this vocabulary, not even the end of the text (an empty language, such
+        as the regex [^\\s\\S] or a schema that only refers to itself, or one that needs
+        characters no token has). Served, its first step would mask every token, and the
+        sampler would pick an arbitrary one that reads as a normal answer."""
+        compiled = self.compile(so)
+        matcher = self.xgr.GrammarMatcher(compiled)
+        mask = self.allocate_bitmask(1)
+        mask.zero_()
+        matcher.fill_next_token_bitmask(mask, 0)
+        bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        if not bool(bits.flatten()[:self.vocab_size].any()):
+            kind = constraint_kind(so)
+            raise ValueError(f"structured_outputs.{kind} accepts no output: no token of this model's vocabulary "
+                             "can begin a string it matches, and it does not match the empty string (its "
+                             "language is empty, or needs characters no token has)")
 
     def new_grammar(self, so) -> "Grammar":
         return Grammar(self.xgr.GrammarMatcher(self.compile(so)), self.stop_token_ids)

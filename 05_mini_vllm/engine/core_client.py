@@ -208,7 +208,7 @@ class MPClient:
     # ----------------------------------------------------------------- calls
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and not self._stop.is_set()
+        return self._dead is None and not self._stop.is_set() and not self._core_gone.is_set()
 
     def _check_usable(self) -> None:
         if self._dead is not None:

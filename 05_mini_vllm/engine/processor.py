@@ -23,7 +23,7 @@ import logging
 import time
 
 from mini_vllm.engine import EngineCoreRequest
-from mini_vllm.sampling_params import SamplingParams, check_encodable, check_int64
+from mini_vllm.sampling_params import MAX_BAD_WORDS_TOTAL_TOKENS, SamplingParams, check_encodable, check_int64
 
 logger = logging.getLogger("mini_vllm")
 
@@ -62,6 +62,10 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
         spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(list(spaced))
+    total = sum(map(len, out))
+    if total > MAX_BAD_WORDS_TOTAL_TOKENS:  # vLLM's bound: each token is matched on every step
+        raise ValueError(f"bad_words tokenize to {total} tokens in all (with their spaced forms); at most "
+                         f"{MAX_BAD_WORDS_TOTAL_TOKENS} are allowed (MINI_VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)")
     return out
 
 
@@ -185,7 +189,7 @@ class Processor:
                 copy = copy or params.clone()  # the server's default for every request
                 copy.structured_outputs.disable_any_whitespace = True
             path = self.config.tokenizer or self.config.model
-            get_backend(path, vocab, self.tokenizer).compile((copy or params).structured_outputs)  # cached
+            get_backend(path, vocab, self.tokenizer).validate((copy or params).structured_outputs)  # cached
         if n_prompt + params.max_tokens > limit:
             # vLLM serves such a request and stops it at the context limit ("length").
             copy = copy or params.clone()

@@ -27,7 +27,8 @@ from pydantic.json_schema import models_json_schema
 from mini_vllm.entrypoints.openai import response_models as rm
 from mini_vllm.entrypoints.openai.protocol import ErrorResponse
 from mini_vllm.entrypoints.openai.response_models import ModelList
-from mini_vllm.sampling_params import INT64_MAX, INT64_MIN, MAX_N_SEQUENCES, MAX_TEMPERATURE
+from mini_vllm.sampling_params import (INT64_MAX, INT64_MIN, MAX_N_SEQUENCES, MAX_NUM_BAD_WORDS, MAX_STOP_STRINGS,
+                                       MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE)
 
 _REF = "#/components/schemas/{model}"
 _ERROR_TEXT = {400: "Invalid request (OpenAI's error body names the field)", 401: "Missing or wrong API key",
@@ -90,6 +91,10 @@ def _sampling_ranges(props: dict, *, max_model_len: int, vocab_size: int, max_lo
         if m.get("type") == "string":
             m["minLength"] = 1
     _bound_items(props["bad_words"], pattern=r"\S")
+    # vLLM's bounds on how many of each one request may carry.
+    _size(props["stop"], maxItems=MAX_STOP_STRINGS)
+    _size(props["stop_token_ids"], maxItems=MAX_STOP_TOKEN_IDS)
+    _size(props["bad_words"], maxItems=MAX_NUM_BAD_WORDS)
     cap = vocab_size if max_logprobs == -1 else min(vocab_size, max_logprobs)
     if chat:
         for name in ("max_tokens", "max_completion_tokens"):

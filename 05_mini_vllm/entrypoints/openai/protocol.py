@@ -30,7 +30,7 @@ from typing import ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mini_vllm.sampling_params import _CONSTRAINTS as CONSTRAINTS
-from mini_vllm.sampling_params import SamplingParams, StructuredOutputsParams, check_encodable
+from mini_vllm.sampling_params import MAX_STOP_STRINGS, SamplingParams, StructuredOutputsParams, check_encodable
 
 
 def random_id(prefix: str) -> str:
@@ -164,6 +164,9 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None,
                 **extra) -> SamplingParams:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:  # vLLM's API bound, as OpenAI's
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings (MINI_VLLM_MAX_STOP_STRINGS), "
+                             f"got {len(self.stop)}")
         d = {**self._DEFAULTS, **(defaults or {})}
         picked = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in self._DEFAULTS}
         return SamplingParams(
