@@ -21,14 +21,18 @@ ALLOC = "01_paged_attention/kv_cache.py"
 CPU_KERNEL = "kernels/cpu_paged_attention.py"
 CPU_TESTS = ["tests/test_kernels_cpu_attention.py"]
 # The fused CPU layer ops and the oneDNN linear dispatch beside them.
-# The C++ kernel that runs bf16 caches where the CPU has AVX512_BF16 (kernels/cpu_native.py);
-# its mutants are caught by its own tests, which skip on other CPUs (the run says so).
+# The C++ kernel that runs fp32 and bf16 caches on x86 CPUs with AVX-512 + BF16 or AVX2 + FMA
+# (kernels/cpu_native.py builds one source per instruction set); its mutants are caught by its
+# own tests, which run every build the CPU has and skip on other CPUs (the run says so).
 NATIVE = "kernels/csrc/cpu_attn.cpp"
 NATIVE_TESTS = ["tests/test_kernels_cpu_native.py"]
 LAYER_OPS = "kernels/cpu_layer_ops.py"
 LAYER_TESTS = ["tests/test_kernels_cpu_layer_ops.py"]
-LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (AVX512_BF16)
+LAYER_OPS_CPP = "kernels/csrc/cpu_layer_ops.cpp"  # caught where the C++ layer ops run (either build)
 GEMM_CPP = "kernels/csrc/cpu_gemm.h"  # the same
+# The AVX2 SIMD layer: every x86-64 CPU the C++ kernels run on runs this build (an AVX-512
+# machine runs both), so its mutants are caught on every such CPU.
+SIMD_AVX2 = "kernels/csrc/simd_avx2.h"
 GEMM_TESTS = ["tests/test_kernels_cpu_gemm.py"]
 SPLIT = "kernels/paged_attention_split.py"
 SPLIT_TESTS = ["tests/test_kernels_paged_attention_split.py"]
@@ -304,16 +308,16 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_acc_not_rescaled",
         path=NATIVE,
-        old="a[r][c] = c < nd ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c), al) : al;",
-        new="a[r][c] = c < nd ? _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c) : al;",
+        old="a[r][c] = c < nd ? mul(load(acc + r * head_dim + d0 + 16 * c), al) : al;",
+        new="a[r][c] = c < nd ? load(acc + r * head_dim + d0 + 16 * c) : al;",
         tests=NATIVE_TESTS,
         why="C++ kernel: what earlier blocks accumulated is not rescaled when the running max rises",
     ),
     Mutant(
         name="native_sum_not_rescaled",
         path=NATIVE,
-        old="*l = *l * alpha + _mm512_reduce_add_ps(sum);",
-        new="*l = *l + _mm512_reduce_add_ps(sum);",
+        old="*l = *l * alpha + reduce_add(sum);",
+        new="*l = *l + reduce_add(sum);",
         tests=NATIVE_TESTS,
         why="C++ kernel: the running sum is not rescaled when the running max rises",
     ),
@@ -337,8 +341,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_block_major_acc_not_rescaled",
         path=NATIVE,
-        old="_mm512_storeu_ps(acc + x * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + x * D + d), al));",
-        new="_mm512_storeu_ps(acc + x * D + d, _mm512_loadu_ps(acc + x * D + d));",
+        old="store(acc + x * D + d, mul(load(acc + x * D + d), al));",
+        new="store(acc + x * D + d, load(acc + x * D + d));",
         tests=NATIVE_TESTS,
         why="C++ kernel, whole decodes: what earlier blocks accumulated is not rescaled when the max rises",
     ),
@@ -353,8 +357,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_block_major_pv_first_slot_weight",
         path=NATIVE,
-        old="x = _mm512_fmadd_ps(_mm512_set1_ps(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);",
-        new="x = _mm512_fmadd_ps(_mm512_set1_ps(j < nj ? p[r * p_stride] : 0.0f), vv[j], x);",
+        old="x = fmadd(set1(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);",
+        new="x = fmadd(set1(j < nj ? p[r * p_stride] : 0.0f), vv[j], x);",
         tests=NATIVE_TESTS,
         why="C++ kernel, whole decodes: each group of four slots' values weighted by the first slot's probability",
     ),
@@ -362,34 +366,50 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_tile_causal_misses_own_token",
         path=NATIVE,
-        old="__mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j + c));",
-        new="__mmask16 seen = _mm512_cmpgt_epi32_mask(pos, _mm512_set1_epi32(j + c));",
+        old="M16 seen = cmpge_i(pos, j + c);",
+        new="M16 seen = cmpge_i(pos, j + c + 1);",
         tests=NATIVE_TESTS,
         why="C++ kernel, lane tiles: a query row sees the keys before its position but not its own",
     ),
     Mutant(
         name="native_tile_sum_not_rescaled",
         path=NATIVE,
-        old="_mm512_storeu_ps(l + g, _mm512_fmadd_ps(_mm512_loadu_ps(l + g), alpha, sum));",
-        new="_mm512_storeu_ps(l + g, _mm512_add_ps(_mm512_loadu_ps(l + g), sum));",
+        old="store(l + g, fmadd(load(l + g), alpha, sum));",
+        new="store(l + g, add(load(l + g), sum));",
         tests=NATIVE_TESTS,
         why="C++ kernel, lane tiles: the running sums are not rescaled when the running max rises",
     ),
     Mutant(
         name="native_tile_acc_not_rescaled",
         path=NATIVE,
-        old="ac[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + c) * rows_p + g), alpha);",
-        new="ac[c] = _mm512_loadu_ps(acc + (d0 + c) * rows_p + g);",
+        old="ac[c] = mul(load(acc + (d0 + c) * rows_p + g), alpha);",
+        new="ac[c] = load(acc + (d0 + c) * rows_p + g);",
         tests=NATIVE_TESTS,
         why="C++ kernel, lane tiles: what earlier blocks accumulated is not rescaled when the max rises",
     ),
     Mutant(
         name="native_output_truncated",
-        path=NATIVE,
-        old="__m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);",
-        new="__m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_mul_epi32(odd, _mm512_setzero_si512())), 16);",
+        path=SIMD_AVX2,
+        old="__m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);",
+        new="__m256i rounded = _mm256_srli_epi32(u, 16);",
         tests=NATIVE_TESTS,
-        why="C++ kernel: the fp32 output cut to bf16 (toward zero), not rounded to nearest even as torch rounds",
+        why="C++ kernel (AVX2 build): the fp32 output cut to bf16 (toward zero), not rounded to nearest even as torch rounds",
+    ),
+    Mutant(
+        name="avx2_dpbf16_drops_even_elements",
+        path=SIMD_AVX2,
+        old="  acc.lo = _mm256_fmadd_ps(even8(a.lo), even8(b.lo), acc.lo);\n",
+        new="",
+        tests=GEMM_TESTS,
+        why="AVX2 bf16 dot step: the even element of each pair (its low half) never multiplied in lanes 0-7",
+    ),
+    Mutant(
+        name="avx2_masked_load_one_lane_too_many",
+        path=SIMD_AVX2,
+        old="return _mm256_cmpgt_epi32(_mm256_set1_epi32(n - base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));",
+        new="return _mm256_cmpgt_epi32(_mm256_set1_epi32(n - base + 1), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));",
+        tests=NATIVE_TESTS,
+        why="AVX2 masked loads and stores take one lane past n: a softmax step reads a score past the row's last visible key",
     ),
     Mutant(
         name="cpu_add_norm_of_x",
@@ -450,8 +470,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpp_bf16_silu_not_rounded",
         path=LAYER_OPS_CPP,
-        old="__m512 silu = narrow16(_mm512_div_ps(",
-        new="__m512 silu = (_mm512_div_ps(",
+        old="V16 silu = narrow16(simd::div(",
+        new="V16 silu = (simd::div(",
         tests=LAYER_TESTS,
         why="C++ bf16 SiLU-and-mul keeps silu(gate) in fp32 where torch rounds it to bf16 before the product",
     ),
@@ -482,8 +502,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="gemm_hi_half_takes_lo_weights",
         path=GEMM_CPP,
-        old="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_hi);",
-        new="hi[r] = _mm512_dpbf16_ps(hi[r], b, w_lo);",
+        old="w[h] = load_i(panel + kp * 64 + 32 * (h0 + h));",
+        new="w[h] = load_i(panel + kp * 64);",
         tests=GEMM_TESTS,
         why="bf16 linear: a panel's columns 16-31 are multiplied by the weights of columns 0-15",
     ),
