@@ -35,7 +35,8 @@ functions check shapes and contiguity, and raise ValueError naming the argument)
 
 Two implementations of each loop: the numba loops below (the reference on every
 CPU) and C++ ops (`cpu_layer_ops_native.py`, `csrc/cpu_layer_ops.cpp`), which run
-where the C++ attention kernel runs. The public functions check and allocate once,
+where the C++ attention kernel runs (AVX-512 with BF16, or AVX2 + FMA: two builds of
+one source, `cpu_native.isa()`). The public functions check and allocate once,
 then call one or the other. The C++ call exists for the decode step: 112 calls a step
 on a Qwen3-0.6B-shaped model, each a few microseconds of arithmetic, where numba's
 dispatch and thread wake-up cost more than the loop (bench_engine_layer_ops.py times

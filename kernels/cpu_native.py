@@ -167,14 +167,13 @@ def isa() -> str | None:
     """The build C++ calls take now (see the module docstring), or None: numba's."""
     if _forced_isa:
         return _forced_isa[-1]
-    if CPU_ATTN == "numba":
-        return None
     if CPU_ATTN != "auto":
-        return CPU_ATTN
-    for name in ISAS:
-        if _isa_reason(name) is None:
-            return name
-    return None
+        return None if CPU_ATTN == "numba" else CPU_ATTN
+    # Chosen once per process (the CPU does not change, and numba reads NUMBA_CPU_NAME once):
+    # every layer op asks, and a decode step makes about 40 calls.
+    if "auto" not in _state:
+        _state["auto"] = next((name for name in ISAS if _isa_reason(name) is None), None)
+    return _state["auto"]
 
 
 def available_isas() -> tuple[str, ...]:

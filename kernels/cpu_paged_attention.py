@@ -67,11 +67,13 @@ fp32 and cast to the query's dtype by torch (round to nearest even).
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
-bf16 caches on a CPU with AVX512_BF16 (and head_dim a multiple of 32) run
-the C++ kernel of `cpu_native.py` / `csrc/cpu_attn.cpp` instead, on the same
-plan of work items: its bf16 dot products are one VDPBF16PS per 32 pairs,
-which numba cannot emit. This file stays the kernel of every other case and
-the reference the C++ kernel's tests compare with.
+fp32 and bf16 caches on a CPU with AVX512_BF16 or AVX2 + FMA (and head_dim a
+multiple of 16 / 32) run the C++ kernel of `cpu_native.py` / `csrc/cpu_attn.cpp`
+instead, on the same plan of work items: its bf16 dot products are one
+VDPBF16PS per 32 pairs (on AVX2, the pairs widened in registers and two
+FMAs), with the accumulators held in registers across a block, which numba
+cannot arrange. This file stays the kernel of every other case and the
+reference the C++ kernel's tests compare with.
 
 Threads and BLAS: `cpu_runtime.py` (numba's pool sized to every CPU, started
 passive on the first call, as many threads per call as torch uses; BLAS held

@@ -166,8 +166,9 @@ def single_threaded_blas():
 # numba's LLVM targets Haswell with that model's own feature set (an empty
 # feature string means "the named CPU's defaults", so no AVX-512 instruction
 # can be emitted); torch's kernels, oneDNN (whose bf16 packing then reports
-# itself unsupported, so bf16 linears take F.linear), MKL and OpenBLAS (the
-# tiled path's np.dot) are held to AVX2 too. Set in a fresh process before
+# itself unsupported), MKL and OpenBLAS (the tiled path's np.dot) are held to
+# AVX2 too, and the C++ kernels run their AVX2 build (cpu_native.isa()), as on
+# such a CPU: bf16 linears take its kernel. Set in a fresh process before
 # anything is imported: each library reads it once. Used by
 # tests/programs/avx2_kernels.py and `bench_engine_attention.py --isa avx2`.
 # numba's disk cache keys machine code on the target CPU, so this build never

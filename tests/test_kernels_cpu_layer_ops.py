@@ -59,39 +59,6 @@ def _norm_module(hidden: int, seed: int) -> RMSNorm:
     return norm
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.usefixtures("impl")
-def test_two_threads_give_one_threads_bits(dtype, monkeypatch):
-    """Each op splits its rows between torch's threads; a row's arithmetic is
-    the same whichever thread does it, so 2 threads give 1 thread's bits. A
-    split that skipped or repeated a slice of rows, or a worker reading the
-    wrong row, would differ (300 rows: both threads get some). The C++ ops split
-    only large calls: here every call is split."""
-    monkeypatch.setattr(native, "SPLIT_ELEMENTS", 1)
-    g = torch.Generator().manual_seed(11)
-    x, residual = torch.randn(300, 256, generator=g).to(dtype), torch.randn(300, 256, generator=g).to(dtype)
-    weight = torch.randn(256, generator=g).to(dtype)
-    gate_up = torch.randn(300, 2 * 96, generator=g).to(dtype)
-    rope = RotaryEmbedding(64, 512, 10000.0)
-    positions = torch.randint(0, 512, (300,), generator=g)
-    calls = {
-        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
-        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
-        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
-        "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
-        "qk_norm_rope": lambda: L.qk_norm_rope(positions, x, 2, 1, 64, weight[:64], weight[64:128], 1e-6,
-                                               rope.cos_cache, rope.sin_cache),
-    }
-    for name, call in calls.items():
-        with torch_threads(1):
-            one = call()
-        with torch_threads(2):
-            two = call()
-        for a, b in zip(one, two):
-            assert torch.equal(a, b), \
-                f"{dtype} {name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
-
-
 @pytest.mark.parametrize("tokens,hidden", SHAPES)
 @pytest.mark.usefixtures("impl")
 def test_rms_norm_matches_torch(tokens, hidden):
@@ -261,6 +228,39 @@ def test_bf16_rounding_is_to_nearest_even_and_keeps_nan():
         f"fp32 -> bf16 rounding differs from torch's: {list(got[~nan])} vs {list(want[~nan])}"
     # torch's NaN bits depend on its code path (0x7FC0 scalar, 0xFFFF vectorised): a NaN is what counts
     assert all((g & 0x7F80) == 0x7F80 and (g & 0x7F) for g in got[nan]), "NaN must stay NaN, not become inf"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("impl")
+def test_two_threads_give_one_threads_bits(dtype, monkeypatch):
+    """Each op splits its rows between torch's threads; a row's arithmetic is
+    the same whichever thread does it, so 2 threads give 1 thread's bits. A
+    split that skipped or repeated a slice of rows, or a worker reading the
+    wrong row, would differ (300 rows: both threads get some). The C++ ops split
+    only large calls: here every call is split."""
+    monkeypatch.setattr(native, "SPLIT_ELEMENTS", 1)
+    g = torch.Generator().manual_seed(11)
+    x, residual = torch.randn(300, 256, generator=g).to(dtype), torch.randn(300, 256, generator=g).to(dtype)
+    weight = torch.randn(256, generator=g).to(dtype)
+    gate_up = torch.randn(300, 2 * 96, generator=g).to(dtype)
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (300,), generator=g)
+    calls = {
+        "rms_norm": lambda: (L.rms_norm(x, weight, 1e-6),),
+        "fused_add_rms_norm": lambda: L.fused_add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": lambda: (L.silu_and_mul(gate_up),),
+        "rotary_embedding": lambda: (L.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache, 64),),
+        "qk_norm_rope": lambda: L.qk_norm_rope(positions, x, 2, 1, 64, weight[:64], weight[64:128], 1e-6,
+                                               rope.cos_cache, rope.sin_cache),
+    }
+    for name, call in calls.items():
+        with torch_threads(1):
+            one = call()
+        with torch_threads(2):
+            two = call()
+        for a, b in zip(one, two):
+            assert torch.equal(a, b), \
+                f"{dtype} {name}: 2 threads differ from 1 (rows skipped, repeated or mixed up in the split)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
