@@ -236,6 +236,7 @@ def test_numba_choice_and_held_back_isa_keep_the_numba_kernel(monkeypatch):
     assert cpu_native.unavailable_reason() == "MINI_VLLM_CPU_ATTN=numba" and cpu_native.isa() is None
     monkeypatch.setattr(cpu_native, "CPU_ATTN", "auto")
     monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    monkeypatch.setattr(cpu_native, "_state", {})  # a fresh process: the automatic choice is made once
     assert "haswell" in cpu_native.unavailable_reason("avx512"), \
         "numba held to Haswell (AVX2_ONLY_ENV) must not load AVX-512 code"
     assert cpu_native.isa() in ("avx2", None), "numba held to Haswell: only the AVX2 build may run"
