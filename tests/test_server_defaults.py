@@ -135,7 +135,7 @@ def test_request_metric_series(api_server):
     r1 = _post(api_server, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 6, "n": 2, "temperature": 1.0,
                                                "seed": 2, "ignore_eos": True})
     r2 = _post(api_server, "/v1/completions", {"prompt": "def f():", "max_tokens": 5, "temperature": 0,
-                                               "stop_token_ids": list(range(6144))})  # stops at once
+                                               "allowed_token_ids": [5], "stop_token_ids": [5]})  # stops at once
     assert r2["choices"][0]["finish_reason"] == "stop"
     api_server.wait_idle()
     after = _samples(api_server)
