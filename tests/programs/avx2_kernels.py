@@ -9,7 +9,7 @@ caches; the decode path, the tiled path, a mixed batch) against Chapter 1's
 reference, and the fused layer ops (fp32 and bf16) against their torch formulas.
 Then its machine code is scanned for any AVX-512 instruction. The same cases run
 again through the C++ kernels, which such a CPU runs in their AVX2 build
-(kernels/cpu_native.py; test_kernels_cpu_native.py scans that build's code).
+(kernels/cpu_native.py; test_kernels_cpu_dispatch.py scans that build's code).
 
 No arguments. Prints one JSON object: numba's target CPU and feature string,
 per case the largest difference from torch, per compiled function the count of
