@@ -97,7 +97,11 @@ def test_small_cpu_run_fills_every_section(report):
         w = rf["windows"][name]
         assert w["steps"] == plan.roofline_profile_steps and set(w["phases"]) == {name}, \
             f"the {name} profiler window must hold {plan.roofline_profile_steps} steps of its phase only: {w}"
-        assert w["busy_ms_per_step"] > 0 and w["top_kernels"] and w["gemm_fraction_of_peak"] > 0
+        assert w["busy_ms_per_step"] > 0 and w["top_kernels"], f"the {name} window profiled nothing: {w}"
+        # On a CPU the linears may run in the engine's own C++ kernel, which the profiler does
+        # not see as an operator: no GEMM time then, and no rate (never a made-up one).
+        assert (w["gemm_fraction_of_peak"] is None) == (w["gemm_us_per_step"] == 0) and (
+            w["gemm_fraction_of_peak"] is None or w["gemm_fraction_of_peak"] > 0), w
     assert "### Roofline of the throughput run" in (out / "report.md").read_text()
     assert all(row["engine_vs_decode_max_diff"] < 1e-2 for row in a["rows"]), \
         "the launch the engine makes for a decode batch (split-KV when small) must agree with the decode kernel"
