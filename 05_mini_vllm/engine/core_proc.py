@@ -33,6 +33,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 
 import zmq
@@ -167,6 +168,19 @@ class EngineCoreProc(EngineCore):
         self.shutdown()
 
 
+def set_process_title(name: str) -> None:
+    """Name this process (its /proc/PID/comm, shown by ps and top), as vLLM names its
+    core "EngineCore": a forked core's command line is its parent's."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # a name is a convenience
+
+
 def run_engine_core(config, input_address: str, output_address: str, executor_class=None,
                     num_threads: int | None = None, log_level: int = logging.INFO,
                     parent_pid: int | None = None) -> None:
@@ -179,8 +193,6 @@ def run_engine_core(config, input_address: str, output_address: str, executor_cl
     exist in this process, so its first parallel op would wait for them for ever
     (GNU OpenMP has no fork handler); a new thread starts a pool of its own. The
     main thread only waits, and turns SIGTERM into a SHUTDOWN message."""
-    from mini_vllm.engine.utils import set_process_title
-
     set_process_title("EngineCore")
     # force: a forked core inherits the front end's handlers; its lines say [core].
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s [core]: %(message)s",

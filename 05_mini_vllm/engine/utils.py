@@ -4,8 +4,7 @@ shutdown.
 
 vLLM counterpart: `vllm/v1/engine/utils.py` (process launch and monitoring for
 the core engines), the helpers of `vllm/v1/engine/core_client.py`, and
-`vllm/utils/system_utils.py` (`get_mp_context`, `_maybe_force_spawn`,
-`set_process_title`).
+`vllm/utils/system_utils.py` (`get_mp_context`, `_maybe_force_spawn`).
 
 Invariants:
 - the receiver thread is the only reader of the output socket, and it holds
@@ -102,19 +101,6 @@ def spawn_hint(method: str) -> str:
         return ""
     return (f"; it was started with {method}, which imports the main module ({main.__file__}) again: code "
             "that builds an engine must sit under `if __name__ == \"__main__\":`")
-
-
-def set_process_title(name: str) -> None:
-    """Name this process (its /proc/PID/comm, shown by ps and top), as vLLM names its
-    core "EngineCore": a forked core's command line is its parent's."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
-    except (OSError, AttributeError):
-        pass  # a name is a convenience
 
 
 def close_core(proc, threads: list, stop: threading.Event, sock, ctx, socket_files=()) -> None:
