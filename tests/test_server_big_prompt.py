@@ -8,7 +8,8 @@ depend on the machine's speed: the stream's largest gap between two events and
 /health's slowest answer while nothing big is asked (BASELINE_S), times 3, and
 never below the issue's 0.5 s. The stream runs with a step floor
 (tests/fault_server.py), so it is still running when the big requests end by
-construction (its 1000 tokens take at least 20 s).
+construction (its 1000 tokens take at least 20 s). /tokenize runs in a worker
+process of the server's: the last test checks it does not outlive the server.
 
 The stream, the /health prober and the big requests each run in a thread of
 their own with a blocking client, so that reading a 6 MB answer here cannot
@@ -20,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import SERVED_NAME, Server
+from server_utils import SERVED_NAME, Server, child_processes, pid_alive
 
 BIG = ("def f(x):\n    return x * 2 + 1\n" * 70_000)[:2_000_000]  # 2 MB of code, ~900k tokens
 STEP_FLOOR_S = 0.02
@@ -141,3 +142,16 @@ def test_big_chat_message_refused_before_tokenizing_naming_messages(server):
     err = r.json()["error"]
     assert err["param"] == "messages" and "characters" in err["message"], \
         f"the 400 must name messages and their length in characters: {err}"
+
+
+def test_the_tokenize_worker_ends_with_the_server(server):
+    """Last in this file: it stops the module's server (the /tokenize above started the worker)."""
+    children = list(child_processes(server.proc.pid))
+    assert len(children) >= 2, f"setup: expected the engine core and the /tokenize worker under the server: {children}"
+    rc = server.stop()
+    for _ in range(100):  # the worker notices its parent's exit within half a second
+        if not any(pid_alive(p) for p in children):
+            break
+        time.sleep(0.1)
+    left = [p for p in children if pid_alive(p)]
+    assert rc == 0 and not left, f"processes left after the server exited with {rc}: {left}"

@@ -25,13 +25,13 @@ Invariants:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -46,6 +46,7 @@ from mini_vllm.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                             TokenizeRequest)
 from mini_vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mini_vllm.entrypoints.openai.tokenize_worker import TokenizeWorker
 from mini_vllm.entrypoints.openai.serving_engine import (ClientDisconnected, OpenAIServingModels, error_response,
                                                   value_error_response)
 
@@ -91,11 +92,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
     models = OpenAIServingModels(served_model_names, model_path, engine.max_model_len)
     completions = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, chat_template, exclude_tools_when_tool_choice_none)
+    cfg = engine.engine.config
+    tokenize_worker = TokenizeWorker(cfg.tokenizer or cfg.model, chat_template)
 
     @asynccontextmanager
     async def lifespan(app):
         await engine.start()  # a core that dies while the server is idle still stops it
         yield
+        tokenize_worker.shutdown()
         engine.shutdown()  # after uvicorn drained the connections: abort what is left
 
     app = FastAPI(title="mini-vLLM OpenAI-compatible server", version=mini_vllm.__version__,
@@ -180,21 +184,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], model_path: str,
         if misplaced in req.model_fields_set:
             return error_response(f"{misplaced} applies to {'prompt' if req.messages is not None else 'messages'} "
                                   "only", 400, misplaced)
-
-        def answer(ids) -> bytes:  # encoded here too: 900k ids are a 6 MB body
-            strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return msgspec.json.encode({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len,
-                                        "token_strs": strs})
-
-        def tokenize_prompt() -> bytes:
-            return answer(list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
-
-        try:  # off the event loop: a 2 MB text takes seconds (vLLM does not bound /tokenize either)
-            if req.messages is not None:
-                ids = await chat.render(req.messages, req.add_generation_prompt, bounded=False)
-                body = await engine.run_in_tokenizer_thread(answer, ids)
-            else:
-                body = await engine.run_in_tokenizer_thread(tokenize_prompt)
+        if req.messages is not None and chat.chat_template is None and tok.chat_template is None:
+            return error_response("messages cannot be rendered: the tokenizer has no chat_template; start the "
+                                  "server with --chat-template", 400, "messages")
+        conv = None if req.messages is None else [m.for_template() for m in req.messages]
+        try:  # in a process of its own: a 2 MB text takes seconds (vLLM does not bound /tokenize either)
+            body = await asyncio.wrap_future(tokenize_worker.submit(
+                req.prompt, conv, req.add_special_tokens, req.add_generation_prompt, req.return_token_strs,
+                engine.max_model_len))
         except ValueError as e:
             return value_error_response(e)
         return Response(body, media_type="application/json")

@@ -51,18 +51,16 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
-    async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                     bounded: bool = True) -> list[int]:
-        """Token ids of a conversation (ValueError when no template is known, or, with
-        `bounded`, when the rendered prompt has more characters than the context holds).
+    async def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (ValueError when no template is known, or when the
+        rendered prompt has more characters than the context holds).
 
         Runs in the engine's tokenizer thread: rendering and encoding a big
         conversation take seconds, which the event loop must not wait for."""
         conv = [m.for_template() for m in messages]
-        return await self.engine.run_in_tokenizer_thread(self._render, conv, add_generation_prompt, tools, bounded)
+        return await self.engine.run_in_tokenizer_thread(self._render, conv, add_generation_prompt, tools)
 
-    def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None,
-                bounded: bool = True) -> list[int]:
+    def _render(self, conv, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat template; this model has no tokenizer")
@@ -76,8 +74,8 @@ class OpenAIServingChat(OpenAIServing):
                                            add_generation_prompt=add_generation_prompt, tools=tools)
         except TemplateError as e:  # e.g. a template that raises on a role order it rejects
             raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
-        if bounded:  # refused before the costly part, as a text prompt is
-            self.engine.engine.processor.check_text_length("messages", text)
+        # Refused before the costly part, as a text prompt is.
+        self.engine.engine.processor.check_text_length("messages", text)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected=None):
