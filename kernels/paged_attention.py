@@ -56,6 +56,54 @@ NUM_WARPS = {"decode": 4, "varlen": 4}
 
 
 @triton.jit
+def _attend_key_range(
+    q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale_log2,
+    kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    """The online softmax of the query rows `q` (row i at position q_pos[i]) over the keys
+    kv_start .. kv_end - 1 of one KV head, read in BLOCK_N-wide tiles through the block table
+    row `bt_row`: returns (running max in the log2 domain, running sum, unnormalised output).
+    Shared by the paged kernel (one call over the visible range) and the split-KV kernel
+    (one call per segment)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        pos = start + n
+        k_ok = pos < kv_end
+        # Physical block of every key position; -1 entries sit past seq_len, never loaded.
+        phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = (pos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = k_ok[None, :] & d_ok[:, None]
+        k = tl.load(k_cache_ptr + phys[None, :] * kc_s0 + off[None, :] * kc_s1 + kv_head * kc_s2
+                    + d[:, None] * kc_s3, mask=kv_mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
+        v = tl.load(v_cache_ptr + phys[:, None] * vc_s0 + off[:, None] * vc_s1 + kv_head * vc_s2
+                    + d[None, :] * vc_s3, mask=kv_mask.T, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+        if NATIVE_DOT:
+            s = tl.dot(q, k)
+        else:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        s = s * qk_scale_log2  # log2 domain: exp2 is the cheap exponential
+        visible = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     num_seqs, qk_scale_log2,
@@ -114,40 +162,12 @@ def _paged_attention_kernel(
         if not NATIVE_DOT:
             q = q.to(tl.float32)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
         # Causal: the tile's last query sees keys up to context_len + its index.
         kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
-        bt_row = block_tables_ptr + seq * bt_s0
-        n = tl.arange(0, BLOCK_N)
-        for start in range(0, kv_end, BLOCK_N):
-            pos = start + n
-            k_ok = pos < kv_end
-            # Physical block of every key position; -1 entries sit past seq_len, never loaded.
-            phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            off = (pos % BLOCK_SIZE).to(tl.int64)
-            kv_mask = k_ok[None, :] & d_ok[:, None]
-            k = tl.load(k_cache_ptr + phys[None, :] * kc_s0 + off[None, :] * kc_s1 + kv_head * kc_s2
-                        + d[:, None] * kc_s3, mask=kv_mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-            v = tl.load(v_cache_ptr + phys[:, None] * vc_s0 + off[:, None] * vc_s1 + kv_head * vc_s2
-                        + d[None, :] * vc_s3, mask=kv_mask.T, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
-            if NATIVE_DOT:
-                s = tl.dot(q, k)
-            else:
-                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            s = s * qk_scale_log2  # log2 domain: exp2 is the cheap exponential
-            visible = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if NATIVE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            m_i = m_new
+        m_i, l_i, acc = _attend_key_range(
+            q, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_s0, kv_head, qk_scale_log2,
+            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT)
         # Every real row saw key 0, so l_i >= 1; the guard only spares padding rows.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head[:, None] * o_s1 + d[None, :] * o_s2,

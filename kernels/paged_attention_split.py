@@ -18,6 +18,8 @@ softmax over its segment of the keys for the GROUP query heads of KV head h
 (they fill the M rows of one `tl.dot`, so the group shares every K/V load)
 and writes, per query head, the segment's running max m_s (log2 domain), sum
 l_s = sum(exp2(x - m_s)) and *unnormalised* output o_s = sum(exp2(x - m_s) v).
+The walk over the keys is `paged_attention._attend_key_range`, the same one the
+paged kernel runs over a whole sequence.
 
 Kernel 2, grid (num_seqs, num_heads): with M = max over used segments of m_s,
     out = sum_s exp2(m_s - M) o_s / sum_s exp2(m_s - M) l_s,
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention import BLOCK_N as _BLOCK_N
-from .paged_attention import LOG2E, _interpreting
+from .paged_attention import LOG2E, _attend_key_range, _interpreting
 from .paged_checks import check_paged_attention_args
 
 # Programs per SM the split aims for, and the most segments a sequence is cut into.
@@ -133,39 +135,14 @@ def _split_kv_segment_kernel(
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if not NATIVE_DOT:
             q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
         kv_start = segment * per_segment * BLOCK_N
         kv_end = tl.minimum(seq_len, kv_start + per_segment * BLOCK_N)
-        bt_row = block_tables_ptr + seq * bt_s0
-        n = tl.arange(0, BLOCK_N)
-        for start in range(kv_start, kv_end, BLOCK_N):
-            pos = start + n
-            k_ok = pos < kv_end
-            # Physical block of every key position; entries past seq_len are never loaded.
-            phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            off = (pos % BLOCK_SIZE).to(tl.int64)
-            kv_mask = k_ok[None, :] & d_ok[:, None]
-            k = tl.load(k_cache_ptr + phys[None, :] * kc_s0 + off[None, :] * kc_s1 + kv_head * kc_s2
-                        + d[:, None] * kc_s3, mask=kv_mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-            v = tl.load(v_cache_ptr + phys[:, None] * vc_s0 + off[:, None] * vc_s1 + kv_head * vc_s2
-                        + d[None, :] * vc_s3, mask=kv_mask.T, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
-            if NATIVE_DOT:
-                s = tl.dot(q, k)
-            else:
-                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            # A decode query sits at position seq_len - 1: every key below seq_len is visible.
-            s = tl.where(k_ok[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if NATIVE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            m_i = m_new
+        # A decode query sits at position seq_len - 1: every key below seq_len is visible.
+        q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+        m_i, l_i, acc = _attend_key_range(
+            q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_s0, kv_head,
+            qk_scale_log2, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT)
         base = seq.to(tl.int64) * pm_s0 + head * pm_s1 + segment
         tl.store(part_max_ptr + base, m_i, mask=row_ok)
         tl.store(part_sum_ptr + base, l_i, mask=row_ok)
