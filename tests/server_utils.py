@@ -166,6 +166,19 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def leftover_processes(server_pid: int, core_pid: int, tries: int) -> dict[int, str]:
+    """The server's child processes still alive once they and the core are gone, or after
+    `tries` looks a tenth of a second apart ({} when all are gone): the resource tracker,
+    if any, leaves only after its parent."""
+    children: dict[int, str] = {}
+    for _ in range(tries):
+        children = {p: c for p, c in child_processes(server_pid).items() if pid_alive(p)}
+        if not children and not pid_alive(core_pid):
+            break
+        time.sleep(0.1)
+    return children
+
+
 def engine_core_pid(server_pid: int) -> int:
     """The server's engine core process: the child named "EngineCore" (forked, its command
     line is the server's; spawned, it sits beside multiprocessing's resource tracker)."""

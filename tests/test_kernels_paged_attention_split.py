@@ -19,17 +19,13 @@ from mini_vllm.kernels.paged_attention_split import (SplitKVWorkspace, num_segme
 from kernel_cases import BAD, build_cache as build_cache_cpu, good_args, raised_message, scrambled_layout
 from oracles import dense_causal_attention
 from strategies import GQAShape, RaggedBatch, block_layouts, block_sizes, gqa_shapes, ragged_batches
+# The paged kernel's tests build caches on the same device, with the same dtypes and tolerances.
+from test_kernels_paged_attention import DTYPES, TOL, build_cache as build
 
 ref = pytest.importorskip("mini_vllm.paged_attention")
 
+# CPU under the Triton interpreter here; the real GPU path on a CUDA machine.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-def build(batch, layout, shape, dtype, seed):
-    kc, vc, tables, seq_lens, ks, vs, qs = build_cache_cpu(batch, layout, shape, dtype, seed)
-    return kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE), seq_lens.to(DEVICE), ks, vs, qs
 
 
 def assert_matches_oracle(out, ks, vs, qs, scale, dtype, what):

@@ -31,7 +31,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import SERVED_NAME, Server, child_processes, engine_core_pid, pid_alive
+from server_utils import SERVED_NAME, Server, engine_core_pid, leftover_processes, pid_alive
 
 RUNS = int(os.environ.get("MINI_VLLM_CHAOS_RUNS", "3"))
 SEED = int(os.environ.get("MINI_VLLM_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 30))))
@@ -193,12 +193,7 @@ def test_core_killed_at_random_instant_every_client_answered_and_nothing_left(ru
         except subprocess.TimeoutExpired:
             rc = None
         exit_s = time.monotonic() - t_kill
-        children = {}
-        for _ in range(50):  # the resource tracker, if any, leaves once its parent is gone
-            children = {p: c for p, c in child_processes(s.proc.pid).items() if pid_alive(p)}
-            if not children and not pid_alive(core):
-                break
-            time.sleep(0.1)
+        children = leftover_processes(s.proc.pid, core, tries=50)
         log = s.log()
     finally:
         s.stop(timeout=5)

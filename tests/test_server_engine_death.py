@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -25,7 +24,7 @@ from mini_vllm.engine.exceptions import EngineDeadError
 from mini_vllm.entrypoints.openai.api_server import build_app
 from mini_vllm.executor.uniproc_executor import UniProcExecutor
 from mini_vllm.metrics.prometheus import PrometheusStatLogger
-from server_utils import SERVED_NAME, Server, child_processes, engine_core_pid, pid_alive, wait_running
+from server_utils import SERVED_NAME, Server, engine_core_pid, leftover_processes, pid_alive, wait_running
 
 STEP_FLOOR_S = 0.05
 N_STREAMS, N_WHOLE = 6, 2
@@ -154,12 +153,7 @@ def test_core_process_killed_under_streaming_load_ends_every_request_and_the_ser
             rc = s.proc.wait(30)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server did not exit within 30 s of its core being killed; /health: {health_after}")
-        children = {}
-        for _ in range(100):  # the resource tracker leaves once its parent is gone
-            children = {p: c for p, c in child_processes(s.proc.pid).items() if pid_alive(p)}
-            if not children and not pid_alive(core):
-                break
-            time.sleep(0.1)
+        children = leftover_processes(s.proc.pid, core, tries=100)
         log = s.log()
     finally:
         s.stop()
