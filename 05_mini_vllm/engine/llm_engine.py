@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from mini_vllm.config import EngineConfig
 from mini_vllm.engine import EngineCoreOutputs, EngineCoreRequest, multiprocessing_enabled
@@ -40,7 +39,6 @@ from mini_vllm.engine.processor import Processor, load_tokenizer
 from mini_vllm.generation_config import get_diff_sampling_param
 from mini_vllm.metrics.loggers import EngineMetrics, LoggingStatLogger
 from mini_vllm.models.checkpoint_checks import check_checkpoint
-from mini_vllm.models.config import ModelConfig
 from mini_vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("mini_vllm")
@@ -53,15 +51,15 @@ class LLMEngine:
         on). `client`: a core client built by the caller (`AsyncLLM` passes its
         `AsyncMPClient` and drives this front end itself, without `step()`)."""
         self.config = config
+        # What the caller's process can check it checks before any engine process starts
+        # (vLLM's order): a missing folder, weights or architecture raises vLLM's error here.
+        # (AsyncLLM, which builds its client before this, has checked already.)
+        self.model_config = check_checkpoint(config.model)
         mp = multiprocessing_enabled() if multiprocess_mode is None else multiprocess_mode
         if client is None:
-            # What the caller's process can check it checks before any engine process starts
-            # (vLLM's order): a missing folder, weights or architecture raises vLLM's error here.
-            check_checkpoint(config.model)
             client = SyncMPClient(config, executor_class) if mp else InprocClient(config, executor_class)
         self.engine_core = client
         ready = self.engine_core.ready
-        self.model_config = ModelConfig.from_json(Path(config.model) / "config.json")
         self.max_model_len = ready.max_model_len
         # The KV pool's size, for clients that plan memory (beam search checks a beam fits).
         self.num_gpu_blocks, self.num_cpu_blocks = ready.num_gpu_blocks, ready.num_cpu_blocks

@@ -160,20 +160,13 @@ def measured_matmul_flops(device: str, small: bool) -> float:
     when the device's published one is unknown, and a check on it otherwise."""
     import torch
 
+    from gpu_check_parts.attention_bw import _time
+
     n = 512 if small else 8192
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    iters = 3 if small else 20
-    a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n ** 3 * iters / (time.perf_counter() - t)
+    return 2 * n ** 3 / _time(lambda: a @ b, 3 if small else 20, device)
 
 
 def config_of(model_dir: str) -> dict:

@@ -22,18 +22,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import torch
-
 from gpu_check_parts.roofline import (GEMM_KERNEL_MARKS, ModelCost, ScheduleRecorder, floor_s, phase_of,
                                       step_cost)
-from gpu_check_parts.step_profile import busy_us
+from gpu_check_parts.step_profile import _sync, busy_us
 
 MAX_STEPS_TO_DECODE = 10_000  # bound on the steps run to get past the prompts
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def top_kernels(prof, device: str, steps: int, k: int = 8) -> tuple[list[dict], float]:
