@@ -54,8 +54,9 @@ def select_impl(hidden: torch.Tensor) -> str:
     impl = moe_impl()
     if impl != "auto":
         return impl
-    # The Triton kernel and the CPU path are wired in as they land; until then
-    # "auto" is the reference.
+    if hidden.is_cuda and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "triton"
+    # The CPU path is wired in when it lands; until then CPU tensors take the reference.
     return "reference"
 
 
