@@ -9,7 +9,11 @@ Invariants (checked by `from_json`):
 * `rope_theta` is a float and `rope_scaling` is None (plain RoPE) or a dict
   with a "rope_type" key, whether the file uses transformers 5's
   `rope_parameters` or the legacy `rope_theta` / `rope_scaling` pair;
-* `eos_token_ids` is a tuple (config files store an int or a list).
+* `eos_token_ids` is a tuple (config files store an int or a list);
+* mixture of experts (model_type "qwen3_moe", `moe_config.py`): `num_experts` >= 1
+  (transformers 5 writes it as `num_local_experts`), 1 <= num_experts_per_tok
+  <= num_experts, decoder_sparse_step >= 1, every `mlp_only_layers` entry a
+  layer index; dense models keep num_experts = 0.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from .moe_config import moe_fields
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,6 +51,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: torch.dtype = torch.float32
+    # mixture of experts (qwen3_moe only; see moe_config.py): 0 experts = dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -85,7 +98,7 @@ class ModelConfig:
                              f"supported model types: {SUPPORTED_MODEL_TYPES}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act must be 'silu', got {raw['hidden_act']!r}")
-        if model_type == "qwen2" and raw.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3_moe") and raw.get("use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window must be false (sliding-window attention "
                              "is not implemented)")
         hidden, heads = pos_int("hidden_size"), pos_int("num_attention_heads")
@@ -120,6 +133,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             dtype=_DTYPES[dtype_name],
+            **(moe_fields(raw, source) if model_type == "qwen3_moe" else {}),
             raw=raw,
         )
 

@@ -1,7 +1,7 @@
 """Linear layers shaped like vLLM's tensor-parallel ones.
 
-vLLM counterpart: `vllm/model_executor/layers/linear.py` (`ColumnParallelLinear`,
-`RowParallelLinear`, `QKVParallelLinear`, `MergedColumnParallelLinear`).
+vLLM counterpart: `vllm/model_executor/layers/linear.py` (`ReplicatedLinear`,
+`ColumnParallelLinear`, `RowParallelLinear`, `QKVParallelLinear`, `MergedColumnParallelLinear`).
 
 Why merged layers: one [q|k|v] matmul and one [gate|up] matmul per layer
 instead of three and two. Hugging Face checkpoints store the parts separately,
@@ -76,6 +76,11 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.linear(x, self.weight, self.bias, self)  # F.linear off the CPU
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank, no communication (vLLM's `ReplicatedLinear`):
+    a mixture of experts' router, whose logits every rank needs whole."""
 
 
 class ColumnParallelLinear(LinearBase):

@@ -71,10 +71,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: nn.Module):
+    def __init__(self, config: ModelConfig, attention: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = attention
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        # the dense MLP unless the model gives another block (a mixture of experts)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
+                                                        config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,11 +91,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_attention):
+    def __init__(self, config: ModelConfig, make_attention, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_attention())
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_attention(), make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attention_backend: str = "torch"):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, lambda: self.make_attention(config, attention_backend))
+        self.model = LlamaModel(config, lambda: self.make_attention(config, attention_backend),
+                                lambda layer_idx: self.make_mlp(config, layer_idx))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -122,6 +125,10 @@ class LlamaForCausalLM(nn.Module):
     def make_attention(self, config: ModelConfig, backend: str) -> nn.Module:
         return LlamaAttention(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
                               attention_backend=backend)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block (a mixture of experts overrides it)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] token ids and absolute positions -> final hidden states [T, hidden];

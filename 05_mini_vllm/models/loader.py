@@ -16,6 +16,8 @@ Invariants:
   - a model parameter no file provides -> ValueError naming the tensor;
 * a tied model (`tie_word_embeddings`) needs no `lm_head.weight`; a copy in
   the checkpoint is ignored;
+* a mixture of experts (`FusedMoE`) may be stored per expert or fused
+  (`FusedMoE.checkpoint_layouts`); one of its layouts must be complete;
 * weight loaders get lazy safetensors slices, never whole tensors: under
   tensor parallelism (the model built inside `use_tp_group`) each rank reads
   only its shard's bytes from the file, never the full model.
@@ -32,11 +34,14 @@ from safetensors import safe_open
 from mini_vllm.attention.backends import default_backend
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .fused_moe.layer import FusedMoE
 from .llama import LlamaForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                  "qwen3_moe": Qwen3MoeForCausalLM}
 LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Derived buffers some older checkpoints store; recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -73,10 +78,20 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _expected_tensors(model) -> dict[str, tuple[str, object]]:
-    """checkpoint tensor name -> (model parameter name, shard id or None)."""
-    expected = {}
+def _expected_tensors(model) -> tuple[dict[str, tuple[str, object]], list[list[set[str]]]]:
+    """(checkpoint tensor name -> (model parameter name, shard id or None),
+    per FusedMoE its layouts' name sets, one of which the checkpoint must hold whole)."""
+    expected, alternatives = {}, []
+    for prefix, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            layouts = module.checkpoint_layouts(prefix)
+            alternatives.append([set(layout) for layout in layouts])
+            for layout in layouts:
+                expected.update(layout)
+    experts = {pname for pname, _ in expected.values()}
     for pname, _ in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+        if pname in experts:
+            continue
         for packed, parts in model.packed_modules_mapping.items():
             if f".{packed}." in pname:
                 for src, shard in parts:
@@ -84,12 +99,12 @@ def _expected_tensors(model) -> dict[str, tuple[str, object]]:
                 break
         else:
             expected[pname] = (pname, None)
-    return expected
+    return expected, alternatives
 
 
 def load_weights(model, files: list[Path]) -> None:
     params = dict(model.named_parameters())
-    expected = _expected_tensors(model)
+    expected, alternatives = _expected_tensors(model)
     tied = model.config.tie_word_embeddings
     seen: set[str] = set()
     for file in files:
@@ -112,7 +127,11 @@ def load_weights(model, files: list[Path]) -> None:
                 except ValueError as e:
                     raise ValueError(f"{file}: tensor {name!r}: {e}") from None
                 seen.add(name)
-    missing = sorted(set(expected) - seen)
+    optional = set()
+    for layouts in alternatives:  # the layouts this checkpoint does not use are not missing
+        best = min(layouts, key=lambda names: len(names - seen))
+        optional.update(*(names for names in layouts if names is not best))
+    missing = sorted(set(expected) - seen - optional)
     if missing:
         pname, _ = expected[missing[0]]
         raise ValueError(f"{[str(f) for f in files]}: missing tensor {missing[0]!r} (for parameter "
