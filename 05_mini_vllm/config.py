@@ -62,6 +62,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1         # ranks; > 1 runs MultiprocExecutor (gloo/NCCL)
+    # vLLM's --enable-expert-parallel: with tensor_parallel_size > 1 a mixture of experts puts
+    # num_experts / tp whole experts on each rank instead of every expert's 1/tp columns
+    # (models/fused_moe/layer.py); a dense model refuses it.
+    enable_expert_parallel: bool = False
     tokenizer: str | None = None
     log_stats: bool = False
     speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
@@ -115,6 +119,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         self.compilation = CompilationConfig.from_any(self.compilation_config).resolve(

@@ -83,8 +83,9 @@ def use_tp_group(group: GroupCoordinator | None):
 TORCHRUN_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
-def verify_tensor_parallel_size(model_config, tp: int) -> None:
-    """ValueError unless the model's heads and columns split evenly over `tp` ranks."""
+def verify_tensor_parallel_size(model_config, tp: int, enable_expert_parallel: bool = False) -> None:
+    """ValueError unless the model's heads and columns split evenly over `tp` ranks;
+    a mixture of experts splits its experts (expert parallelism) or each expert's columns."""
     mc = model_config
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
@@ -100,6 +101,13 @@ def verify_tensor_parallel_size(model_config, tp: int) -> None:
     if mc.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide intermediate_size "
                          f"({mc.intermediate_size})")
+    experts = mc.num_experts  # 0: a dense model
+    if experts and enable_expert_parallel and experts % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_experts ({experts}) with "
+                         "enable_expert_parallel: each rank holds num_experts / tp whole experts")
+    if experts and not enable_expert_parallel and mc.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide moe_intermediate_size "
+                         f"({mc.moe_intermediate_size}), or set enable_expert_parallel")
 
 
 def torchrun_env() -> dict | None:

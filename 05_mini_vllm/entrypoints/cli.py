@@ -27,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) that split every layer")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts puts num_experts / tp whole experts on each rank")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while this one runs (placeholders for tokens in flight); "
                         "default: on for CUDA when compatible, off on a CPU, as vLLM decides")
@@ -101,6 +103,7 @@ def _engine_kwargs(args) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+                enable_expert_parallel=args.enable_expert_parallel,
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
                 speculative_config=args.speculative_config)
 

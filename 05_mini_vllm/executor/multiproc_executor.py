@@ -142,7 +142,8 @@ class MultiprocExecutor(Executor):
         tp = config.tensor_parallel_size
         if kv_connector is not None:  # EngineConfig refuses kv_transfer_config with tp > 1
             raise ValueError("kv_connector must be None for the tensor-parallel executor")
-        verify_tensor_parallel_size(ModelConfig.from_json(Path(config.model) / "config.json"), tp)
+        verify_tensor_parallel_size(ModelConfig.from_json(Path(config.model) / "config.json"), tp,
+                                    config.enable_expert_parallel)
         self.world_size = tp
         self.procs: list = []
         self._state: dict = {}  # group and store, owned by the finalizer

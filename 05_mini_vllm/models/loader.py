@@ -139,11 +139,14 @@ def load_weights(model, files: list[Path]) -> None:
                          f"{missing[:8]}")
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention_backend: str | None = None):
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention_backend: str | None = None,
+               enable_expert_parallel: bool = False):
     """Build the model named by `path/config.json` and load its weights.
 
     Returns (model in eval mode, ModelConfig). `attention_backend` defaults to
-    `default_backend(device)`.
+    `default_backend(device)`. `enable_expert_parallel` (vLLM's flag) splits a
+    mixture of experts by whole experts over the tensor-parallel ranks; a dense
+    model refuses it (it would have nothing to split).
     """
     path = Path(path)
     if not path.is_dir():
@@ -153,7 +156,13 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention
     config = ModelConfig.from_json(path / "config.json")
     files = safetensors_files(path)
     backend = attention_backend or default_backend(device)
+    extra = {}
+    if enable_expert_parallel:
+        if config.num_experts == 0:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model (model_type qwen3_moe), "
+                             f"got model_type {config.model_type!r}")
+        extra["enable_expert_parallel"] = True
     with _default_dtype(dtype), torch.device(device):
-        model = MODEL_REGISTRY[config.model_type](config, attention_backend=backend)
+        model = MODEL_REGISTRY[config.model_type](config, attention_backend=backend, **extra)
     load_weights(model, files)
     return model.eval(), config

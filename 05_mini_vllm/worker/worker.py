@@ -51,7 +51,8 @@ class Worker:
         self.tp_group = tp_group or GroupCoordinator()  # None: one rank
         with use_tp_group(self.tp_group):  # the layers shard themselves for this rank
             self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
-                                                       device=self.device)
+                                                       device=self.device,
+                                                       enable_expert_parallel=config.enable_expert_parallel)
         # this rank's KV heads: all of them, or its slice under tensor parallelism
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = config.attention_backend or default_backend(self.device)
