@@ -45,9 +45,14 @@ chosen token's logprob with bf16 tolerances (`vllm_diff.BF16_TIE_MARGIN`,
 for it. The first line printed is the machine (`machine.py`): every ratio holds for
 that CPU only.
 
+After the timed runs at each thread count, the workload runs once more in process with
+every step recorded and is set against this machine's read floor (`cpu_floor.py`: weights
+and KV bytes over the measured read bandwidth), printed as the fraction of the floor
+reached, whole run and decode steps by batch size (`--no-floor` leaves it out).
+
 Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--model tiny|qwen3-0.6b]
      [--threads 1,2] [--runs 3] [--num-requests N] [--hf-batch-sizes 1,8,32]
-     [--skip-baselines] [--no-vllm] [--modes process,inproc,process-async,inproc-async]
+     [--skip-baselines] [--no-vllm] [--no-floor] [--modes process,inproc,process-async,inproc-async]
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ import time
 
 import torch
 
+import cpu_floor
 from engine_workloads import qwen3_06b_checkpoint, sample_requests
 from machine import machine_line
 from mini_vllm import LLM, SamplingParams
@@ -242,6 +248,20 @@ def baselines(reqs, t_eng: float, engine_tokens, hf_batch_sizes: list[int]) -> N
     print(f"engine / engine with max_num_seqs=1: {t_one / t_eng:.2f}x")
 
 
+def floor_run(reqs, llms: dict, wl: Workload, threads: int) -> None:
+    """The workload once more, in process with its steps recorded, against this machine's
+    read floor (cpu_floor.py): an in-process mode's engine if one is timed, else a new one."""
+    llm = next((each for m, each in llms.items() if not MODES[m]["multiprocess_mode"]), None)
+    own = llm is None
+    if own:
+        llm = LLM(str(wl.path()), dtype=wl.dtype, **wl.settings, multiprocess_mode=False)
+        engine_run(reqs[:16], llm, detokenize=wl.detokenize)  # warm-up
+    acc = cpu_floor.measure(llm, reqs, wl.path(), wl.dtype, threads, detokenize=wl.detokenize)
+    print("\n".join(cpu_floor.report_lines(acc)))
+    if own:
+        llm.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(WORKLOADS), default="tiny")
@@ -252,6 +272,7 @@ def main() -> None:
     ap.add_argument("--skip-baselines", action="store_true", help="no HF / max_num_seqs=1 rows")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--modes", default="process", help=f"comma-separated, of {list(MODES)}")
+    ap.add_argument("--no-floor", action="store_true", help="no read-floor run (cpu_floor.py) per thread count")
     args = ap.parse_args()
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
@@ -292,6 +313,8 @@ def main() -> None:
                     times[mode].append(engine_run(reqs, each, detokenize=wl.detokenize)[0])
             for mode in modes:
                 print(f"  mini-vLLM {mode:<14} {summary(times[mode], useful)}")
+        if not args.no_floor:
+            floor_run(reqs, llms, wl, n)
         if i == 0 and not args.skip_baselines and wl.name == "tiny":
             t_eng, toks = engine_run(reqs, llm)
             baselines(reqs, t_eng, toks, hf_sizes)
