@@ -22,6 +22,10 @@ the input shift and the k-step draft loop, run in real engines by `plug_eagle` (
 drafts must equal a plain-PyTorch reference's, greedy tokens must not change, and
 sampling must stay lossless). Its own command, while you work on it:
     .venv/bin/pytest -q tests/test_ch5_eagle.py --impl=exercise
+Part 4, a mixture of experts' router (vLLM: `fused_topk` in
+`vllm/model_executor/layers/fused_moe/router/`): `fused_topk`, each token's k
+experts and their weights, renormalised or not (tests/test_ch5_moe_layer.py;
+the layer that uses it is `models/fused_moe/layer.py`).
 
 Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
 rows, condensing on removal; `add_request` also writes the request's sampling
@@ -241,7 +245,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
-           "compute_slot_mapping", "plug_runner"]
+           "compute_slot_mapping", "fused_topk", "plug_runner"]
 
 
 # ================================================================ Part 3: EAGLE's proposer
@@ -282,3 +286,16 @@ def plug_eagle(llm) -> None:
     if core.has_unfinished_requests():
         raise ValueError("plug_eagle: the engine already runs requests; plug the proposer in first")
     core.executor.collective_rpc("use_eagle_proposer", EagleProposer)
+
+
+# ================================================================ Part 4: a mixture of experts' router
+
+
+def fused_topk(gating_output: torch.Tensor, topk: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+    raise NotImplementedError(
+        "fused_topk(gating_output [T, E] router logits, topk k, renormalize) -> (weights float32 [T, k], "
+        "ids int32 [T, k]): token t goes to the k experts of largest softmax probability (computed in float32 "
+        "over all E experts), most probable first, never one expert twice; its weights are those "
+        "probabilities, divided by their sum when renormalize (the config's norm_topk_prob) so that they add "
+        "to 1, else left as they are. Raise ValueError if gating_output is not 2-D or k is not in [1, E].")

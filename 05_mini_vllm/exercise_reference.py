@@ -10,6 +10,9 @@ from mini_vllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_start_loc, compute_slot_mapping
 
+# ---- a mixture of experts' router ----
+from mini_vllm.models.fused_moe.router import fused_topk
+
 # ---- EAGLE's proposer, plugged into a real engine ----
 from mini_vllm.speculative.eagle import EagleProposer
 from mini_vllm.entrypoints.llm import LLM as _LLM
@@ -21,4 +24,4 @@ def plug_eagle(llm: _LLM) -> None:
 
 
 __all__ = ["EagleProposer", "ModelRunner", "plug_eagle", "apply_min_p", "apply_top_k_top_p", "compute_positions", "compute_query_start_loc",
-           "compute_slot_mapping"]
+           "compute_slot_mapping", "fused_topk"]

@@ -66,6 +66,7 @@ ModelRunner.grammars = {}  # the reference's state for structured outputs (never
 ModelRunner.async_drafts = None  # and for speculation under asynchronous scheduling (off here)
 from .speculative.eagle import EagleProposer as _ReferenceEagle
 EagleProposer.propose = _ReferenceEagle.propose
+from .models.fused_moe.router import fused_topk
 """),
     "6": ("06_global_prefix_cache/exercise.py", """
 from .keys import block_keys

@@ -2,7 +2,7 @@
 
 vLLM counterpart: `vllm/model_executor/layers/fused_moe/layer.py` (`FusedMoE`,
 its `weight_loader` and `make_expert_params_mapping`), with the routing of
-`fused_moe/router/` (softmax, top-k, optional renormalisation).
+`fused_moe/router/` (`router.py` here: softmax, top-k, optional renormalisation).
 
 Parameters (vLLM's names and shapes), E_local experts on this rank:
 * `w13_weight` [E_local, 2 * I_local, H]: each expert's gate rows, then its up rows;
@@ -39,7 +39,8 @@ from torch import nn
 from mini_vllm.distributed import get_tp_group, tensor_model_parallel_all_reduce
 
 from ..layers import narrow_weight, weight_shape
-from .reference import fused_experts_reference, fused_topk_reference
+from . import dispatch
+from .router import fused_topk
 
 # shard ids of the weight loader: per expert (expert id, part), fused (FUSED, part)
 GATE, UP, DOWN, GATE_UP = "w1", "w3", "w2", "w13"
@@ -135,15 +136,23 @@ class FusedMoE(nn.Module):
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] float32, topk_ids [T, k] int32 global expert ids)."""
-        return fused_topk_reference(router_logits, self.top_k, self.renormalize)
+        return fused_topk(router_logits, self.top_k, self.renormalize)
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (its experts, or its columns of every expert); no collective."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [num_tokens, hidden_size={self.hidden_size}], "
+                             f"got {tuple(hidden.shape)}")
         if router_logits.shape != (hidden.shape[0], self.global_num_experts):
             raise ValueError(f"router_logits must be [num_tokens={hidden.shape[0]}, num_experts="
                              f"{self.global_num_experts}], got {tuple(router_logits.shape)}")
         topk_weights, topk_ids = self.select_experts(router_logits)
-        out = fused_experts_reference(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+        # the Triton kernel on CUDA, the CPU path, or the reference (dispatch.py decides)
+        return dispatch.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                       expert_map=self.expert_map)
-        if self.tp.world_size > 1:  # partial sums: this rank's experts, or its columns of every expert
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = self.apply(hidden, router_logits)
+        if self.tp.world_size > 1:  # the ranks' partial sums add up to the whole layer
             out = tensor_model_parallel_all_reduce(out, self.tp)
         return out
