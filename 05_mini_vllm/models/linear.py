@@ -26,7 +26,11 @@ Invariants:
   with this rank's head counts; gate_up rows are [gate | up], each I/tp;
 * a loader never copies a tensor whose shape differs from its target slice:
   it raises ValueError with both shapes;
-* with tp = 1 every layer computes exactly what it did before (same calls).
+* with tp = 1 every layer computes exactly what it did before (same calls);
+* 8-bit weights (`quantization/`): a layer whose class is `quantizable` (the column- and
+  row-parallel ones, not the MoE router) built inside `use_quant_config` takes its
+  `quant_method` from that config; the method may swap `weight` for an fp8 / int8 one and set
+  `weight_scale` (None otherwise), and every forward pass goes through `quant_method.apply`.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from mini_vllm.distributed import divide, get_tp_group, tensor_model_parallel_al
 
 from . import cpu_ops
 from .layers import default_weight_loader, narrow_weight, weight_shape
+from .quantization import UnquantizedLinearMethod, get_current_quant_config
 
 
 def _check_shard(shard_id, loaded, expected: tuple[int, ...]) -> None:
@@ -54,6 +59,8 @@ def _copy_rows(param, loaded, start: int, size: int, src_start: int, shard_id, f
 
 
 class LinearBase(nn.Module):
+    quantizable = False  # may a quantization config replace this layer's method (vLLM: quant_config=None)
+
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp = get_tp_group()
@@ -70,12 +77,24 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # an 8-bit method's per-row scales
+        config = get_current_quant_config()
+        self.quant_method = (config.get_quant_method(self) if config is not None and self.quantizable
+                             else UnquantizedLinearMethod())
+        self.quant_method.create_weights(self)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        """(first row, rows) of checkpoint part `shard_id` in this rank's weight (None: all of it);
+        an 8-bit method's `weight_scale` loader puts each part's scales there."""
+        if shard_id is None:
+            return 0, self.weight.shape[0]
+        raise ValueError(f"{type(self).__name__} has no part {shard_id!r}")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.linear(x, self.weight, self.bias, self)  # F.linear off the CPU
+        return self.quant_method.apply(self, x, self.bias)  # unquantized: cpu_ops.linear, F.linear off the CPU
 
 
 class ReplicatedLinear(LinearBase):
@@ -85,6 +104,7 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Splits output features across ranks: weight rows [rank*n/tp, (rank+1)*n/tp)."""
+    quantizable = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp = get_tp_group().world_size
@@ -101,6 +121,7 @@ class ColumnParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """Splits input features across ranks; the partial outputs are all-reduced."""
+    quantizable = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp = get_tp_group().world_size
@@ -121,8 +142,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return cpu_ops.linear(x, self.weight, self.bias, self)
-        out = tensor_model_parallel_all_reduce(cpu_ops.linear(x, self.weight, None, self), self.tp)
+            return self.quant_method.apply(self, x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None), self.tp)
         return out if self.bias is None else out + self.bias  # bias once, after the sum
 
 
@@ -151,6 +172,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n, full = self.output_sizes[shard_id], self.total_output_sizes[shard_id]
         _copy_rows(param, loaded_weight, sum(self.output_sizes[:shard_id]), n,
                    self.tp_rank * n, shard_id, full)
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        if shard_id is None:
+            return super().shard_rows(None)
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -196,3 +222,6 @@ class QKVParallelLinear(ColumnParallelLinear):
             head0 = (self.tp_rank // self.num_kv_head_replicas) * self.num_kv_heads
         _copy_rows(param, loaded_weight, start, size, head0 * self.head_size, shard_id,
                    self.total_shard_ranges[shard_id][1])
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        return super().shard_rows(None) if shard_id is None else self.shard_ranges[shard_id]

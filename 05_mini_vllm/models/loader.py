@@ -37,6 +37,8 @@ from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .fused_moe.layer import FusedMoE
 from .llama import LlamaForCausalLM
 from .qwen2 import Qwen2ForCausalLM
+from .linear import LinearBase
+from .quantization import quant_config_for_model, use_quant_config
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 
@@ -140,13 +142,15 @@ def load_weights(model, files: list[Path]) -> None:
 
 
 def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention_backend: str | None = None,
-               enable_expert_parallel: bool = False):
+               enable_expert_parallel: bool = False, quantization: str | None = None):
     """Build the model named by `path/config.json` and load its weights.
 
     Returns (model in eval mode, ModelConfig). `attention_backend` defaults to
     `default_backend(device)`. `enable_expert_parallel` (vLLM's flag) splits a
     mixture of experts by whole experts over the tensor-parallel ranks; a dense
-    model refuses it (it would have nothing to split).
+    model refuses it (it would have nothing to split). `quantization` (vLLM's engine
+    argument) and the checkpoint's `quantization_config` choose 8-bit weights for the
+    linear layers (`quantization/`); online schemes quantize once the weights are loaded.
     """
     path = Path(path)
     if not path.is_dir():
@@ -162,7 +166,11 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", attention
             raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model (model_type qwen3_moe), "
                              f"got model_type {config.model_type!r}")
         extra["enable_expert_parallel"] = True
-    with _default_dtype(dtype), torch.device(device):
+    quant = quant_config_for_model(quantization, config.raw, dtype, device, str(path / "config.json"))
+    with _default_dtype(dtype), torch.device(device), use_quant_config(quant):
         model = MODEL_REGISTRY[config.model_type](config, attention_backend=backend, **extra)
     load_weights(model, files)
+    for module in model.modules():  # online schemes quantize the loaded weights here (vLLM: process_weights_after_loading)
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
     return model.eval(), config

@@ -1,0 +1,107 @@
+"""Weight-only int8 linear on the CPU: y = (x @ q.T) * scale (+ bias), q int8 [N, K] with one
+fp32 scale per output row, x fp32 or bf16, the int8 weight widened in registers.
+
+vLLM counterpart: vLLM's CPU build multiplies int8 weights in C++ (`csrc/cpu/sgl-kernels`'
+`int8_scaled_mm_with_quant`, or oneDNN's `onednn_scaled_mm` through
+`vllm/model_executor/kernels/linear/scaled_mm/cpu.py`), both W8A8: they quantize the
+activations to int8 too. This kernel is weight-only (W8A16): the activations stay in the
+model's dtype, so its only error is the weight's rounding.
+
+Why: a decode step multiplies one to a few rows by every weight, so a linear layer is bound by
+reading the weight from memory (`benchmarks/bench_int8_linear.py`). An int8 weight is a
+quarter of the bytes of an fp32 one and half of a bf16 one. Dequantizing first (`q.float() *
+scale`, then `F.linear`) would write and read back a full-precision copy on every call and
+gain nothing; here each weight byte is read once per block of rows and widened in registers.
+
+Layout and loops: the weight stays row-major [N, K] (one output per row). The outputs are
+taken in blocks of `ROWS_PER_BLOCK` weight rows, spread over the threads (a prange, torch's
+thread count as in `cpu_layer_ops.py`); each block's rows are widened to fp32 once into a
+scratch tile that stays in L1, then every input row is multiplied by the tile.
+
+Invariants:
+* `int8_linear_reference` is the oracle: fp32 matmul of the widened weight, then the scale,
+  then the bias, cast to x's dtype; the kernel differs from it only by fp32 summation order;
+* batch invariance: an output's sum runs over k in the same order whatever the number of
+  rows (the same loop serves one row and a prefill), so a request's logits do not depend on
+  the batch it shares a step with;
+* arguments are checked (ValueError naming the argument): x 2-D fp32/bf16 with K columns,
+  q int8 [N, K] contiguous, scale fp32 [N], bias None or [N]; nothing is written in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .cpu_runtime import use_torch_threads
+
+ROWS_PER_BLOCK = 4  # weight rows widened together: 4 x K fp32 stays in L1 for K <= 2048
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _int8_linear_kernel(x, q, scale, out):  # pragma: no cover - compiled
+    m_rows, k = x.shape
+    n = q.shape[0]
+    blocks = (n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    for b in prange(blocks):
+        n0 = b * ROWS_PER_BLOCK
+        n1 = min(n0 + ROWS_PER_BLOCK, n)
+        tile = np.empty((ROWS_PER_BLOCK, k), np.float32)
+        for r in range(n1 - n0):
+            for j in range(k):
+                tile[r, j] = np.float32(q[n0 + r, j])
+        for m in range(m_rows):
+            for r in range(n1 - n0):
+                acc = np.float32(0.0)
+                for j in range(k):
+                    acc += x[m, j] * tile[r, j]
+                out[m, n0 + r] = acc * scale[n0 + r]
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"q must be a 2-D int8 weight [N, K], got {q.dtype} of shape {tuple(q.shape)}")
+    n, k = q.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be 2-D with K={k} columns, got shape {tuple(x.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (n,):
+        raise ValueError(f"scale must be fp32 of shape ({n},), got {scale.dtype} {tuple(scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be None or of shape ({n},), got {tuple(bias.shape)}")
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle (any device, any float dtype): (x @ q.T) in fp32, times the row scales, plus
+    the bias, cast to x's dtype."""
+    _check(x.reshape(-1, x.shape[-1]), q, scale, bias)
+    out = torch.matmul(x.float(), q.float().t()) * scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def handles(x: torch.Tensor) -> bool:
+    """Does the compiled kernel take x: a CPU tensor of fp32 or bf16, no autograd graph?"""
+    return (x.device.type == "cpu" and x.dtype in DTYPES
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (q * scale[:, None]).T (+ bias), in x's dtype; the compiled
+    kernel where `handles(x)`, else the reference."""
+    if not handles(x):
+        return int8_linear_reference(x, q, scale, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    _check(rows, q, scale, bias)
+    if not q.is_contiguous():
+        raise ValueError("q must be contiguous (row-major [N, K])")
+    xf = rows.float().contiguous()  # bf16 rows widened once: a decode's x is a few KB
+    out = torch.empty((rows.shape[0], q.shape[0]), dtype=torch.float32)
+    use_torch_threads()
+    _int8_linear_kernel(xf.numpy(), q.numpy(), scale.numpy(), out.numpy())
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
