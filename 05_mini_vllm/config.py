@@ -19,6 +19,7 @@ import torch
 
 from mini_vllm.attention.backends import BACKEND_NAMES
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
+from mini_vllm.models.quantization import check_quantization
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
 logger = logging.getLogger("mini_vllm")
@@ -44,6 +45,10 @@ def resolve_dtype(dtype) -> torch.dtype:
 class EngineConfig:
     model: str = ""
     dtype: str | torch.dtype = "float32"
+    # vLLM's --quantization: 8-bit linear weights (models/quantization/: "fp8", "fp8_per_tensor",
+    # "fp8_per_channel", "compressed-tensors", "int8_per_channel_weight_only"); None: what the
+    # checkpoint's quantization_config says, else none. A value that contradicts it is an error.
+    quantization: str | None = None
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
     attention_backend: str | None = None  # None -> triton on CUDA, cpu (compiled kernel) on CPU
     block_size: int = 16
@@ -200,6 +205,7 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_quantization(self.quantization)  # ValueError naming the allowed values
 
     @property
     def cudagraph_mode_asked(self) -> bool:

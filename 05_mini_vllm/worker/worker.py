@@ -52,7 +52,8 @@ class Worker:
         with use_tp_group(self.tp_group):  # the layers shard themselves for this rank
             self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
                                                        device=self.device,
-                                                       enable_expert_parallel=config.enable_expert_parallel)
+                                                       enable_expert_parallel=config.enable_expert_parallel,
+                                                       quantization=config.quantization)
         # this rank's KV heads: all of them, or its slice under tensor parallelism
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = config.attention_backend or default_backend(self.device)
