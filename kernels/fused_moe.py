@@ -47,31 +47,34 @@ import triton.language as tl
 
 from mini_vllm.kernels.fused_moe_checks import check_expert_ids, check_fused_experts_args
 
-ALIGN_CHUNK = 256  # flat ids an align program reads per step
+ALIGN_CHUNK = 256  # most flat ids one align program reads
 
 
 @triton.jit
-def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, offsets_ptr, sorted_ptr, expert_ids_ptr, numel,
-                          HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Program e writes expert e's flat ids, in order, to its segment and labels its blocks."""
-    e = tl.program_id(0)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
-    rank = 0
-    for c0 in range(0, numel, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
-        hit = (ids == e).to(tl.int32)
-        # Inclusive prefix sum - 1: the hit's rank among this chunk's hits.
-        pos = start + rank + tl.cumsum(hit, 0) - 1
-        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=hit != 0)
-        rank += tl.sum(hit, 0)
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + e).to(tl.int32)
+def _align_kernel(topk_ids_ptr, counts_ptr, bases_ptr, offsets_ptr, sorted_ptr, numel, num_experts,
+                  SCATTER: tl.constexpr, CHUNK: tl.constexpr, E_P: tl.constexpr):
+    """Program c owns flat ids [c * CHUNK, (c + 1) * CHUNK).
+
+    Count phase: counts[c, e] = how many of its ids go to expert e.
+    Scatter phase: id f of expert e goes to offsets[e] + bases[c, e] + its rank
+    among the chunk's ids of e (bases: the earlier chunks' counts), so each
+    segment lists its expert's ids in increasing order.
+    """
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    experts = tl.arange(0, E_P)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_P] one-hot; -1 hits nothing
+    row = c.to(tl.int64) * num_experts + experts
+    e_ok = experts < num_experts
+    if not SCATTER:
+        tl.store(counts_ptr + row, tl.sum(hit, 0), mask=e_ok)
     else:
-        local = e
-    for b in range(start // BLOCK_M, end // BLOCK_M):
-        tl.store(expert_ids_ptr + b, local)
+        # Inclusive prefix sum down the chunk, read at each id's own expert: rank + 1.
+        rank = tl.sum(tl.cumsum(hit, 0) * hit, 1) - 1
+        base = tl.load(offsets_ptr + experts, mask=e_ok, other=0) + tl.load(bases_ptr + row, mask=e_ok, other=0)
+        pos = tl.sum(hit * base[None, :], 1) + rank
+        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=ids >= 0)
 
 
 def _max_padded(numel: int, num_experts: int, block_m: int) -> int:
@@ -98,22 +101,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
     numel = flat.numel()
-    # Count per expert with index_add (bincount reads its input's max back to the host).
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-    counts.index_add_(0, torch.where(flat >= 0, flat, num_experts).long(), torch.ones_like(flat))
-    padded = (counts[:num_experts] + block_size - 1) // block_size * block_size
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-    offsets[1:] = torch.cumsum(padded, 0)
     max_padded = _max_padded(numel, num_experts, block_size)
     sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
-    expert_ids = torch.full((triton.cdiv(max_padded, block_size),), -1, dtype=torch.int32, device=device)
-    if numel:
-        emap = expert_map.to(torch.int32).contiguous() if expert_map is not None else offsets
-        _align_scatter_kernel[(num_experts,)](
-            flat, emap, offsets, sorted_ids, expert_ids, numel,
-            HAS_MAP=expert_map is not None, BLOCK_M=block_size,
-            CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(numel))))
-    return sorted_ids, expert_ids, offsets[num_experts:].clone()
+    num_blocks = triton.cdiv(max_padded, block_size)
+    if numel == 0:
+        return (sorted_ids, torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))
+    e_p = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(ALIGN_CHUNK, 8192 // e_p, triton.next_power_of_2(numel)))  # [chunk, e_p] in registers
+    num_chunks = triton.cdiv(numel, chunk)
+    counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+    _align_kernel[(num_chunks,)](flat, counts, counts, counts, sorted_ids, numel, num_experts,
+                                 SCATTER=False, CHUNK=chunk, E_P=e_p)
+    bases = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    padded = (counts.sum(0) + block_size - 1) // block_size * block_size
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    _align_kernel[(num_chunks,)](flat, counts, bases, offsets, sorted_ids, numel, num_experts,
+                                 SCATTER=True, CHUNK=chunk, E_P=e_p)
+    # Block b belongs to the expert whose segment holds slot b * block_size.
+    starts = torch.arange(num_blocks, dtype=torch.int32, device=device) * block_size
+    owner = torch.searchsorted(offsets, starts, right=True) - 1
+    ntpp = offsets[num_experts:]
+    labels = owner if expert_map is None else expert_map.to(device)[owner.clamp(max=num_experts - 1)]
+    expert_ids = torch.where(starts < ntpp, labels, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ntpp.clone()
 
 
 @triton.jit
