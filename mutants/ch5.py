@@ -18,6 +18,8 @@ EAGLE = "05_mini_vllm/speculative/eagle.py"
 EAGLE_TESTS = ["tests/test_ch5_eagle.py::test_engine_drafts_are_the_reference_chain"]
 HEAD_KV = "05_mini_vllm/speculative/head_kv.py"
 HEAD_KV_TESTS = ["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"]
+MOE_KERNEL = "kernels/fused_moe.py"
+MOE_KERNEL_TESTS = "tests/test_kernels_fused_moe.py"
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -348,5 +350,23 @@ MUTANTS: list[Mutant] = [
         tests=["tests/test_eagle_tree.py::test_tree_mask_sees_the_context_the_root_and_the_path_only",
                "tests/test_eagle_tree.py::test_one_forward_with_tree_attention_gives_each_paths_causal_logits"],
         why="a causal mask over the flattened tree lets a node attend to other branches' tokens",
+    ),
+    Mutant(
+        name="moe_kernel_padding_reaches_output",
+        path=MOE_KERNEL,
+        old="sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)",
+        new="sorted_ids = torch.full((max_padded,), numel - 1, dtype=torch.int32, device=device)",
+        tests=[f"{MOE_KERNEL_TESTS}::test_align_worked_example", f"{MOE_KERNEL_TESTS}::test_kernel_equals_reference"],
+        why="the align step's padding must be the sentinel T*k, one past the last (token, slot) pair: padding "
+            "that names a real pair makes every padded block overwrite that pair's row with its expert's output",
+    ),
+    Mutant(
+        name="moe_align_token_to_one_expert_twice",
+        path=MOE_KERNEL,
+        old="offs = c * CHUNK + tl.arange(0, CHUNK)",
+        new="offs = c * (CHUNK - 1) + tl.arange(0, CHUNK)",
+        tests=[f"{MOE_KERNEL_TESTS}::test_align_spans_several_chunks", f"{MOE_KERNEL_TESTS}::test_align_invariants"],
+        why="the align programs must read disjoint chunks of pairs: overlapping chunks place the pair at each "
+            "chunk edge in its expert's segment twice",
     ),
 ]
