@@ -20,6 +20,9 @@ HEAD_KV = "05_mini_vllm/speculative/head_kv.py"
 HEAD_KV_TESTS = ["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"]
 MOE_KERNEL = "kernels/fused_moe.py"
 MOE_KERNEL_TESTS = "tests/test_kernels_fused_moe.py"
+MOE_ROUTER = "05_mini_vllm/models/fused_moe/router.py"
+MOE_LAYER = "05_mini_vllm/models/fused_moe/layer.py"
+MOE_LAYER_TESTS = ["tests/test_ch5_moe_layer.py"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -350,6 +353,49 @@ MUTANTS: list[Mutant] = [
         tests=["tests/test_eagle_tree.py::test_tree_mask_sees_the_context_the_root_and_the_path_only",
                "tests/test_eagle_tree.py::test_one_forward_with_tree_attention_gives_each_paths_causal_logits"],
         why="a causal mask over the flattened tree lets a node attend to other branches' tokens",
+    ),
+    Mutant(
+        name="moe_topk_not_renormalised",
+        path=MOE_ROUTER,
+        old="weights = torch.softmax(top_logits, dim=-1)  # = p_i / sum of the k picked p's",
+        new="weights = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))",
+        tests=MOE_LAYER_TESTS,
+        why="with norm_topk_prob set the k experts' weights must be divided by their sum",
+    ),
+    Mutant(
+        name="moe_token_to_one_expert_twice",
+        path=MOE_ROUTER,
+        old="top_logits, ids = torch.topk(logits, topk, dim=-1)",
+        new="top_logits, ids = torch.topk(logits, topk, dim=-1); ids[:, -1:] = ids[:, :1]; "
+            "top_logits = logits.gather(1, ids)",
+        tests=MOE_LAYER_TESTS,
+        why="a token's k slots must name k distinct experts; one expert twice doubles its term",
+    ),
+    Mutant(
+        name="moe_ep_expert_offset_off_by_one",
+        path=MOE_LAYER,
+        old="self.expert_offset, self.intermediate_size_per_partition = rank * self.local_num_experts, "
+            "intermediate_size",
+        new="self.expert_offset, self.intermediate_size_per_partition = rank * self.local_num_experts + 1, "
+            "intermediate_size",
+        tests=["tests/test_ch5_moe_layer.py::test_ranks_partial_outputs_add_up_to_one_rank"],
+        why="under expert parallelism rank r holds experts [r*E/ep, (r+1)*E/ep): a shifted offset drops one expert",
+    ),
+    Mutant(
+        name="moe_fused_gate_up_swapped",
+        path=MOE_LAYER,
+        old="param[:, :i].copy_(mine[:, col0:col0 + i])",
+        new="param[:, :i].copy_(mine[:, i_full + col0:i_full + col0 + i])",
+        tests=["tests/test_ch5_moe_layer.py::test_layer_loads_fused_tensors_like_per_expert"],
+        why="a fused experts.gate_up_proj holds every expert's gate rows first, then its up rows",
+    ),
+    Mutant(
+        name="moe_sparse_layer_step_from_zero",
+        path="05_mini_vllm/models/moe_config.py",
+        old="and (layer_idx + 1) % config.decoder_sparse_step == 0)",
+        new="and layer_idx % config.decoder_sparse_step == 0)",
+        tests=["tests/test_ch5_moe_model.py::test_ragged_prefill_matches_hf[e8-k2-step2]"],
+        why="with decoder_sparse_step s the sparse layers are s-1, 2s-1, ...: layer i is sparse iff (i + 1) % s == 0",
     ),
     Mutant(
         name="moe_kernel_padding_reaches_output",
