@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from mini_vllm.kernels.validation import CACHE_DTYPES
+from mini_vllm.kernels.validation import KV_CACHE_DTYPES
 
 
 def _positive_int(name: str, value) -> int:
@@ -32,8 +32,8 @@ def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.f
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                     ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         _positive_int(name, v)
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+    if dtype not in KV_CACHE_DTYPES:  # fp8 formats too: a quantized cache (kv_cache_dtype)
+        raise ValueError(f"dtype must be one of {KV_CACHE_DTYPES}, got {dtype}")
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mini_vllm.kernels.kv_cache_dtype import as_bytes
+
 
 class CpuBlockPool:
     def __init__(self, num_blocks: int) -> None:
@@ -44,7 +46,9 @@ def copy_blocks(src_layers, dst_layers, pairs) -> None:
     copy-on-write (device -> device); by the model-free `MiniRunner` and by the
     engine's cache engine alike. One batched gather + scatter per tensor: all
     sources are read before any destination is written, so a list may read a
-    block that it also writes.
+    block that it also writes. An fp8 cache moves as bytes (torch has no CPU
+    float8 index_copy_): the same bits, so a swapped or copied block reads back
+    with the same scale.
     """
     if not pairs:
         return
@@ -52,5 +56,6 @@ def copy_blocks(src_layers, dst_layers, pairs) -> None:
     dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
     for src, dst in zip(src_layers, dst_layers):
         for s_t, d_t in zip(src, dst):
+            s_t, d_t = as_bytes(s_t), as_bytes(d_t)
             moved = s_t.index_select(0, src_ids.to(s_t.device)).to(d_t.device, non_blocking=True)
             d_t.index_copy_(0, dst_ids.to(d_t.device), moved)

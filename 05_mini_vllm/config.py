@@ -6,6 +6,8 @@ hands the scheduler its own `SchedulerConfig` (Chapter 3). Invariants checked
 at construction, each a ValueError that names the field and its allowed range:
 * block_size in {8, 16, 32} (the sizes the kernels and tests cover);
 * dtype is one of float32 / bfloat16 / float16 (or their short names);
+* kv_cache_dtype is one of vLLM's "auto", "fp8", "fp8_e4m3", "fp8_e5m2"; a
+  True calculate_kv_scales needs an fp8 one, no KV connector and no CUDA graphs;
 * exactly one KV budget applies: `num_gpu_blocks_override` when set, else
   `kv_cache_memory_bytes` when set (any device), else `gpu_memory_utilization`
   on CUDA and 512 MiB on CPU.
@@ -20,6 +22,7 @@ import torch
 from mini_vllm.attention.backends import BACKEND_NAMES
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.models.quantization import check_quantization
+from mini_vllm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
 
 logger = logging.getLogger("mini_vllm")
@@ -63,6 +66,12 @@ class EngineConfig:
     num_cpu_blocks: int = 0               # swap space, in blocks
     swap_space: float = 0.0               # swap space in GiB (vLLM v0's name); adds blocks
     kv_cache_memory_bytes: int | None = None  # any device; unset: 512 MiB on CPU
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or an fp8 format ("fp8" = "fp8_e4m3",
+    # "fp8_e5m2"), per-tensor k_scale / v_scale per layer from the checkpoint, else 1.0
+    # (kernels/kv_cache_dtype.py, models/kv_scales.py).
+    kv_cache_dtype: str = "auto"
+    # vLLM's former --calculate-kv-scales: compute each layer's scales from the first step's K/V.
+    calculate_kv_scales: bool = False
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0
@@ -105,9 +114,13 @@ class EngineConfig:
     compilation_config: dict | int | None = None
     enforce_eager: bool = False
     compilation: CompilationConfig = field(init=False, repr=False)  # resolved from the two above
+    kv_cache_torch_dtype: torch.dtype = field(init=False, repr=False)  # the cache tensors' dtype
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_torch_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
         from mini_vllm.speculative.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
@@ -184,6 +197,7 @@ class EngineConfig:
             # The head's layer would need its heads split like the target's; not built yet.
             raise ValueError("speculative_config.method 'eagle' needs tensor_parallel_size 1, got "
                              f"{self.tensor_parallel_size}")
+        self._check_kv_scales_options()
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space < 0 or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
@@ -206,6 +220,23 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         check_quantization(self.quantization)  # ValueError naming the allowed values
+
+    def _check_kv_scales_options(self) -> None:
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
+        if not self.calculate_kv_scales:
+            return
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True needs an fp8 kv_cache_dtype ('fp8', 'fp8_e4m3', "
+                             "'fp8_e5m2'), got 'auto'")
+        if self.kv_transfer_config is not None:
+            # Blocks shared through the pool would be read with another engine's computed scales.
+            raise ValueError("calculate_kv_scales=True needs kv_transfer_config None: each engine would "
+                             "compute its own scales, so a pooled fp8 block would mean other values")
+        if torch.device(self.device).type == "cuda" and self.compilation.cudagraph_mode != CUDAGraphMode.NONE:
+            # A captured launch keeps the scale it was captured with (1.0), not the computed one.
+            raise ValueError("calculate_kv_scales=True needs compilation_config.cudagraph_mode NONE (or "
+                             "enforce_eager) on CUDA, got " + self.compilation.cudagraph_mode.name)
 
     @property
     def cudagraph_mode_asked(self) -> bool:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mini_vllm.kernels.kv_cache_dtype import as_bytes
+
 from .base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from .layout import KVLayout
 from .stats import ConnectorStats
@@ -156,8 +158,9 @@ class GlobalCacheConnectorBase(KVConnectorBase_V1):
         ids = torch.tensor([b for b, _ in meta.loads], dtype=torch.long, device=dev)
         data = torch.stack([x for _, x in meta.loads]).to(dev)  # [n, layers, 2, bs, h, d]
         for layer, (k, v) in enumerate(self._kv_caches):
-            k.index_copy_(0, ids, data[:, layer, 0])
-            v.index_copy_(0, ids, data[:, layer, 1])
+            # bytes for an fp8 cache: torch has no CPU float8 index_copy_ (same bits either way)
+            as_bytes(k).index_copy_(0, ids, as_bytes(data[:, layer, 0]))
+            as_bytes(v).index_copy_(0, ids, as_bytes(data[:, layer, 1]))
         self.stats.blocks_loaded += len(meta.loads)
         self.stats.bytes_loaded += len(meta.loads) * self.layout.block_nbytes
 

@@ -39,7 +39,7 @@ def make_store(tc: KVTransferConfig) -> KVStore:
 def layout_for(config, model_config, tp_rank: int = 0, model_id: str | None = None) -> KVLayout:
     mc = model_config
     return KVLayout(model_id=model_id or model_content_id(config.model),
-                    dtype=str(config.torch_dtype).removeprefix("torch."),
+                    dtype=str(config.kv_cache_torch_dtype).removeprefix("torch."),  # fp8 when kv_cache_dtype is
                     block_size=config.block_size, num_layers=mc.num_hidden_layers,
                     num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, tp_rank=tp_rank)
 

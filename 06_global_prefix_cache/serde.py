@@ -26,7 +26,10 @@ MAGIC = b"MVKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sHH32sQ")
 _SUM = 16
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# The header's dtype code: an fp8 block (kv_cache_dtype "fp8_e4m3" / "fp8_e5m2") records its
+# format, so a block of another format or precision is refused (CorruptBlockError) before use.
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4,
+               torch.float8_e5m2: 5}
 
 
 def _key_digest(key: str) -> bytes:
@@ -55,8 +58,9 @@ def unpack_block(key: str, data: bytes, layout: KVLayout) -> torch.Tensor:
     if magic != MAGIC or version != VERSION:
         raise CorruptBlockError(f"value of {key}: bad magic/version {magic!r}/{version}")
     if code != DTYPE_CODES[layout.torch_dtype] or n != expect:
-        raise CorruptBlockError(f"value of {key}: dtype code {code} / length {n} do not match "
-                                f"the layout ({layout.dtype}, {expect} bytes)")
+        names = {c: str(d).removeprefix("torch.") for d, c in DTYPE_CODES.items()}
+        raise CorruptBlockError(f"value of {key}: dtype code {code} ({names.get(code, 'unknown')}) / length {n} "
+                                f"do not match the layout ({layout.dtype}, {expect} bytes)")
     if digest != _key_digest(key):
         raise CorruptBlockError(f"value of {key} was written for another key (foreign value)")
     mv = memoryview(data)  # no copies until the one writable buffer the tensor needs

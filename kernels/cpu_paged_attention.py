@@ -63,6 +63,10 @@ fp16 type), widened to fp32: bf16 by shifting its 16 bits into the top of an
 fp32, fp16 by the exponent rebias below. exp of the scores is a polynomial
 the compiler vectorises (`_exp`, relative error under 1e-7). The output is
 fp32 and cast to the query's dtype by torch (round to nearest even).
+fp8 caches (`kv_cache_dtype.py`: e4m3 or e5m2, per-tensor k_scale / v_scale)
+are read as bytes, each widened by a 256-entry fp32 table of the format's
+values times the scale (`fp8_table`): one load per element, the same fp32
+product as Chapter 1's dequantising reference, for both formats alike.
 `fastmath` allows only reassociation and fused multiply-add, so loops
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
@@ -101,14 +105,17 @@ from numba.extending import intrinsic
 
 from . import cpu_native
 from .cpu_runtime import single_threaded_blas, use_torch_threads
+from .kv_cache_dtype import fp8_table, is_fp8
 from .paged_checks import check_cu_seqlens_q, check_paged_attention_args, check_query
 from .validation import check_kv_cache, check_num_heads
 
 # At most this many threads per kernel call (also at most torch's count); None: no cap.
 # Tests set it to check that a split between threads changes no bit.
 KERNEL_THREADS: int | None = None
-FMT_FP32, FMT_BF16, FMT_FP16 = 0, 1, 2
-_FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
+FMT_FP32, FMT_BF16, FMT_FP16, FMT_FP8 = 0, 1, 2, 3
+_FORMATS = {torch.float32: FMT_FP32, torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16,
+            torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8}
+_NO_TABLE = np.zeros(1, np.float32)  # the table argument of a cache that is not fp8 (never read)
 # Query rows (tokens x heads of a group) per work item: 64 rows x head_dim 128
 # of fp32 accumulators is 32 KiB. Measured against 32, 128 and 256 rows: 64 is
 # as fast as any on prefills of 64-512 tokens (128 and 256 lose up to 25% on
@@ -184,10 +191,10 @@ def _bf16_to_fp32(bits):
 
 
 @njit(cache=True, inline="always")
-def _widen_row(cache, phys, slot, kvh, fmt, row):
+def _widen_row(cache, phys, slot, kvh, fmt, row, table):
     """row[:] = the head_dim values of KV head kvh at slot `slot` of physical
-    block phys, as fp32. The format branch sits outside the loops so each loop
-    vectorises."""
+    block phys, as fp32 (an fp8 byte b: table[b], its value times the scale).
+    The format branch sits outside the loops so each loop vectorises."""
     head_dim = row.shape[0]
     if fmt == FMT_FP32:
         for d in range(head_dim):
@@ -195,16 +202,21 @@ def _widen_row(cache, phys, slot, kvh, fmt, row):
     elif fmt == FMT_BF16:
         for d in range(head_dim):
             row[d] = _bf16_to_fp32(cache[phys, slot, kvh, d])
+    elif fmt == FMT_FP8:
+        for d in range(head_dim):
+            # np.int32(...): numba types this branch for every cache (an fp32 one too), and a
+            # float cannot index; for the uint8 bytes it is a zero extension.
+            row[d] = table[np.int32(cache[phys, slot, kvh, d])]
     else:
         for d in range(head_dim):
             row[d] = _fp16_to_fp32(cache[phys, slot, kvh, d])
 
 
 @njit(cache=True)
-def _widen_block(cache, phys, kvh, n, fmt, tile):
+def _widen_block(cache, phys, kvh, n, fmt, tile, table):
     """tile[:n] = slots 0..n-1 of KV head kvh in physical block phys, as fp32."""
     for j in range(n):
-        _widen_row(cache, phys, j, kvh, fmt, tile[j])
+        _widen_row(cache, phys, j, kvh, fmt, tile[j], table)
 
 
 # llvm.prefetch's name carries its pointer type: "p0" once LLVM's pointers are opaque (LLVM 15+).
@@ -262,7 +274,8 @@ def _softmax_step(s, r, seen, n, m, l):
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start, q_len, t0, t1, kvh,
-                 group, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf, k_tile, v_tile):
+                 group, fmt, scale, step_keys, q_tile, acc, m, l, alpha, s_buf, pv_buf, k_tile, v_tile,
+                 k_table, v_table):
     """Query tokens t0..t1-1 of one sequence x the group of KV head kvh, over
     the sequence's keys, step_keys at a time, with an online softmax. Scratch
     arrays are the calling thread's own."""
@@ -286,8 +299,8 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
         for c in range(0, n, block_size):  # step_keys is a multiple of block_size
             phys = table_row[(start + c) // block_size]
             keys = min(block_size, n - c)
-            _widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:])
-            _widen_block(value_cache, phys, kvh, keys, fmt, v_tile[c:])
+            _widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:], k_table)
+            _widen_block(value_cache, phys, kvh, keys, fmt, v_tile[c:], v_table)
         # All rows x all keys of the step in one sgemm instead of a dot-product
         # loop per (row, key), and P @ V below: with np.exp, 1.9x on a 512-token
         # prefill at head_dim 128 (44 -> 23 ms), a few % on decodes.
@@ -313,7 +326,7 @@ def _attend_item(query, key_cache, value_cache, out, table_row, seq_len, q_start
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, tok, h0, h1, group, fmt, scale,
-                 step_keys, q_rows, acc, m, l, s_buf, k_rows, v_rows):
+                 step_keys, q_rows, acc, m, l, s_buf, k_rows, v_rows, k_table, v_table):
     """The one query token `tok` of a sequence (a decode) x the query heads of
     KV heads h0..h1-1, over the sequence's keys, step_keys at a time, with the
     online softmax of `_attend_item`. Plain loops instead of BLAS: a decode
@@ -397,9 +410,9 @@ def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, 
                                     x0 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, slot, kvh, d])
                                     x1 += q_rows[r, d] * _bf16_to_fp32(key_cache[phys, pair, kvh, d])
                             s[r, j], s[r, c + pair] = x0, x1
-                    else:  # fp16's widening is longer: once per row, for all the group's rows
-                        _widen_row(key_cache, phys, slot, kvh, fmt, k_rows[0])
-                        _widen_row(key_cache, phys, pair, kvh, fmt, k_rows[1])
+                    else:  # fp16's and fp8's widening is longer: once per row, for all the group's rows
+                        _widen_row(key_cache, phys, slot, kvh, fmt, k_rows[0], k_table)
+                        _widen_row(key_cache, phys, pair, kvh, fmt, k_rows[1], k_table)
                         for r in range(r0, r0 + group):
                             x0, x1 = np.float32(0.0), np.float32(0.0)
                             for d in range(head_dim):
@@ -439,8 +452,8 @@ def _decode_item(query, key_cache, value_cache, out, table_row, seq_len, q_len, 
                                 acc[r, d] += (p0 * _bf16_to_fp32(value_cache[phys, slot, kvh, d])
                                               + p1 * _bf16_to_fp32(value_cache[phys, pair, kvh, d]))
                     else:
-                        _widen_row(value_cache, phys, slot, kvh, fmt, v_rows[0])
-                        _widen_row(value_cache, phys, pair, kvh, fmt, v_rows[1])
+                        _widen_row(value_cache, phys, slot, kvh, fmt, v_rows[0], v_table)
+                        _widen_row(value_cache, phys, pair, kvh, fmt, v_rows[1], v_table)
                         for r in range(r0, r0 + group):
                             p0, p1 = s[r, j], s[r, c + pair] if pair > slot else np.float32(0.0)
                             for d in range(head_dim):
@@ -529,7 +542,7 @@ def _take(typingctx, counter):
 @njit(cache=True, parallel=True)
 def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_q, seq_lens, item_seq, item_t0,
                    item_h0, tile_tokens, decode_heads, fmt, scale, step_keys, counter, q_tile, acc, m, l, alpha, s_buf,
-                   pv_buf, k_tile, v_tile):
+                   pv_buf, k_tile, v_tile, k_table, v_table):
     """One prange iteration per thread (scratch slice w); each takes the next
     unstarted item from the shared counter until none is left. A decode takes
     the BLAS-free path, any other item the tiled one.
@@ -549,19 +562,21 @@ def _varlen_kernel(query, key_cache, value_cache, out, block_tables, cu_seqlens_
             if q_len == 1 and decode_heads > 0:
                 _decode_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_len, q_start, h0,
                              h0 + decode_heads, group, fmt, scale, step_keys, q_tile[w], acc[w], m[w], l[w],
-                             s_buf[w], k_tile[w, :2], v_tile[w, :2])
+                             s_buf[w], k_tile[w, :2], v_tile[w, :2], k_table, v_table)
             else:
                 _attend_item(query, key_cache, value_cache, out, block_tables[i], seq_lens[i], q_start, q_len,
                              t0, min(t0 + tile_tokens, q_len), h0, group, fmt, scale, step_keys, q_tile[w], acc[w],
-                             m[w], l[w], alpha[w], s_buf[w], pv_buf[w], k_tile[w], v_tile[w])
+                             m[w], l[w], alpha[w], s_buf[w], pv_buf[w], k_tile[w], v_tile[w], k_table, v_table)
             it = _take(counter)
 
 
 def _cache_bits(cache: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of the cache: float32 as it is, bf16 and fp16 as
-    their raw 16 bits (uint16; numpy has no bf16)."""
+    their raw 16 bits (uint16; numpy has no bf16), fp8 as its bytes (uint8)."""
     if cache.dtype == torch.float32:
         return cache.numpy()
+    if is_fp8(cache.dtype):
+        return cache.view(torch.uint8).numpy()
     return cache.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -580,13 +595,14 @@ def check_cpu_inputs(query, key_cache, value_cache) -> None:
 
 
 def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-               plan_cache: dict | None = None) -> torch.Tensor:
+               plan_cache: dict | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The kernel without argument checks, for callers that checked once per
     step (the engine's AttentionMetadata.validate). Same result as
     `paged_attention_varlen`. `plan_cache`: a dict the caller keeps for one
     batch (the engine: one per step, shared by every layer), in which the
     batch's plan and numpy views are kept, so that layers 2..L skip building
-    them (about 80 us a call for 128 decodes)."""
+    them (about 80 us a call for 128 decodes). An fp8 cache always takes the
+    numba kernel (the C++ kernels read fp32 and bf16 only: `cpu_native.handles`)."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return torch.empty_like(query)
@@ -631,26 +647,38 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
         _varlen_kernel(query.detach().float().contiguous().numpy(), _cache_bits(key_cache),
                        _cache_bits(value_cache), out.numpy(), tables, cu, seq_lens,
                        item_seq, item_t0, item_h0, tile_tokens, decode_heads, _FORMATS[key_cache.dtype], f32(scale),
-                       step_keys, counter, *scratch)
+                       step_keys, counter, *scratch, *_tables(key_cache.dtype, k_scale, v_scale))
     return out if fp32 else out.to(query.dtype)
 
 
-def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def _tables(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's (k_table, v_table): fp8 byte -> value * scale, or unused placeholders."""
+    if not is_fp8(cache_dtype):
+        return _NO_TABLE, _NO_TABLE
+    return fp8_table(cache_dtype, float(k_scale)).numpy(), fp8_table(cache_dtype, float(v_scale)).numpy()
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                           k_scale=1.0, v_scale=1.0):
     """query [num_tokens, num_heads, head_dim]; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len_i positions, attended
     causally. Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs,
+                               k_scale, v_scale)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
     check_cpu_inputs(query, key_cache, value_cache)
-    return run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                      k_scale=float(k_scale), v_scale=float(v_scale))
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale=1.0, v_scale=1.0):
     """One new token per sequence: query [num_seqs, num_heads, head_dim] is
     position seq_len - 1 and sees all seq_len cached positions."""
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs,
+                               k_scale, v_scale)
     check_cpu_inputs(query, key_cache, value_cache)
     cu = torch.arange(num_seqs + 1, dtype=torch.int32)  # a decode is a varlen batch of q_len 1
-    return run_varlen(query, key_cache, value_cache, block_tables, cu, seq_lens, scale)
+    return run_varlen(query, key_cache, value_cache, block_tables, cu, seq_lens, scale,
+                      k_scale=float(k_scale), v_scale=float(v_scale))

@@ -23,7 +23,9 @@ the running max finite and later fully masked tiles add exp(-inf) = 0.
 Arithmetic: fp32 softmax and accumulators. fp32 caches use IEEE fp32 dots
 (no TF32); fp16/bf16 caches on a GPU feed their native dtype to the tensor
 cores with fp32 accumulation (the fast path); under the interpreter everything
-is cast to fp32 first, because it gets bf16 arithmetic wrong.
+is cast to fp32 first, because it gets bf16 arithmetic wrong. An fp8 cache
+(`kv_cache_dtype.py`) is dequantised on load, fp32(stored) * k_scale (v_scale
+for values), then fed to the dot like a cache in the query's dtype.
 
 Index tensors (block_tables, seq_lens, cu_seqlens_q) may be strided views;
 the wrapper makes them contiguous (a copy only when they are not), because
@@ -42,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache_dtype import is_fp8
 from .paged_checks import check_cu_seqlens_q, check_paged_attention_args
 
 LOG2E = 1.4426950408889634
@@ -57,10 +60,10 @@ NUM_WARPS = {"decode": 4, "varlen": 4}
 
 @triton.jit
 def _attend_key_range(
-    q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale_log2,
+    q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale_log2, k_scale, v_scale,
     kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr, NATIVE_DOT: tl.constexpr, FP8: tl.constexpr,
 ):
     """The online softmax of the query rows `q` (row i at position q_pos[i]) over the keys
     kv_start .. kv_end - 1 of one KV head, read in BLOCK_N-wide tiles through the block table
@@ -84,6 +87,12 @@ def _attend_key_range(
                     + d[:, None] * kc_s3, mask=kv_mask, other=0.0)  # [HEAD_DIM_P, BLOCK_N]
         v = tl.load(v_cache_ptr + phys[:, None] * vc_s0 + off[:, None] * vc_s1 + kv_head * vc_s2
                     + d[None, :] * vc_s3, mask=kv_mask.T, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+        if FP8:  # dequantise on load (vLLM's unified kernel does the same), then the query's dtype
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+            if NATIVE_DOT:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
         if NATIVE_DOT:
             s = tl.dot(q, k)
         else:
@@ -106,12 +115,12 @@ def _attend_key_range(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    num_seqs, qk_scale_log2,
+    num_seqs, qk_scale_log2, k_scale, v_scale,
     q_s0, q_s1, q_s2, o_s0, o_s1, o_s2,
     kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    DECODE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    DECODE: tl.constexpr, NATIVE_DOT: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid, decode: (num_seqs, num_kv_heads). One query per sequence, so a
     program is exactly one (sequence, KV head) pair and its GROUP query heads
@@ -166,8 +175,8 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
         m_i, l_i, acc = _attend_key_range(
             q, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_s0, kv_head, qk_scale_log2,
-            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT)
+            k_scale, v_scale, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT, FP8)
         # Every real row saw key 0, so l_i >= 1; the guard only spares padding rows.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head[:, None] * o_s1 + d[None, :] * o_s2,
@@ -178,7 +187,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode):
+def native_dot(query) -> bool:
+    """Feed the tensor cores the query's 16-bit dtype (a cache in that dtype, or an fp8
+    cache dequantised to it); fp32 IEEE dots otherwise and always under the interpreter."""
+    return query.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+
+
+def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode,
+            k_scale=1.0, v_scale=1.0):
     block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query)
@@ -200,44 +216,47 @@ def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         cu_seqlens_q = cu_seqlens_q.contiguous()
     kind = "decode" if decode else "varlen"
     block_n = max(BLOCK_N[kind], triton.next_power_of_2(block_size))
-    native = key_cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens,
         cu_seqlens_q if cu_seqlens_q is not None else seq_lens,  # unused in decode
-        num_seqs, float(scale) * LOG2E,
+        num_seqs, float(scale) * LOG2E, float(k_scale), float(v_scale),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
-        DECODE=decode, NATIVE_DOT=native, num_warps=NUM_WARPS[kind],
+        DECODE=decode, NATIVE_DOT=native_dot(query), FP8=is_fp8(key_cache.dtype), num_warps=NUM_WARPS[kind],
     )
     return out
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale=1.0, v_scale=1.0):
     """One new token per sequence: query [num_seqs, num_heads, head_dim] is
     position seq_len - 1 and sees all seq_len cached positions. Returns a
     tensor of query's shape and dtype."""
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
-    return _launch(query, key_cache, value_cache, block_tables, seq_lens, None, scale, decode=True)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs,
+                               k_scale, v_scale)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, None, scale, True, k_scale, v_scale)
 
 
-def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                           k_scale=1.0, v_scale=1.0):
     """query [num_tokens, num_heads, head_dim]; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1], its last q_len_i positions, attended
     causally. Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs,
+                               k_scale, v_scale)
     check_cu_seqlens_q(cu_seqlens_q, seq_lens, query.shape[0], key_cache.device)
-    return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode=False)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, False,
+                   k_scale, v_scale)
 
 
 def paged_attention_unchecked(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                              decode: bool):
+                              decode: bool, k_scale: float = 1.0, v_scale: float = 1.0):
     """The launch alone, for a caller that validated the step's metadata once
     (the engine's `AttentionMetadata.validate`, run before the first layer):
     no host read-back, so the 28 layers of a step queue their kernels without
     waiting for the GPU, and the call can be captured in a CUDA graph.
     `decode=True` needs one query per sequence (cu_seqlens_q is then unused)."""
     return _launch(query, key_cache, value_cache, block_tables, seq_lens, None if decode else cu_seqlens_q,
-                   scale, decode=decode)
+                   scale, decode, k_scale, v_scale)

@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from .paged_attention import BLOCK_N as _BLOCK_N
-from .paged_attention import LOG2E, _attend_key_range, _interpreting
+from .kv_cache_dtype import is_fp8
+from .paged_attention import LOG2E, _attend_key_range, native_dot
 from .paged_checks import check_paged_attention_args
 
 # Programs per SM the split aims for, and the most segments a sequence is cut into.
@@ -114,11 +115,12 @@ def _segment_tiles(seq_len, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
 @triton.jit
 def _split_kv_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale_log2,
+    qk_scale_log2, k_scale, v_scale,
     q_s0, q_s1, q_s2, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0,
     po_s0, po_s1, po_s2, pm_s0, pm_s1,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,8 +143,8 @@ def _split_kv_segment_kernel(
         q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
         m_i, l_i, acc = _attend_key_range(
             q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_s0, kv_head,
-            qk_scale_log2, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT)
+            qk_scale_log2, k_scale, v_scale, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, vc_s3,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, NATIVE_DOT, FP8)
         base = seq.to(tl.int64) * pm_s0 + head * pm_s1 + segment
         tl.store(part_max_ptr + base, m_i, mask=row_ok)
         tl.store(part_sum_ptr + base, l_i, mask=row_ok)
@@ -184,9 +186,11 @@ def check_num_segments(num_segments) -> None:
 
 
 def split_kv_launch(query, key_cache, value_cache, block_tables, seq_lens, scale, num_segments: int,
-                    workspace: SplitKVWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    workspace: SplitKVWorkspace | None = None, out: torch.Tensor | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Both kernels, no argument checks (the engine validates a step's metadata
-    once). `workspace` and `out` may be given to reuse buffers; else allocated."""
+    once). `workspace` and `out` may be given to reuse buffers; else allocated.
+    An fp8 cache is dequantised on load with k_scale / v_scale."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = torch.empty_like(query) if out is None else out
@@ -198,14 +202,15 @@ def split_kv_launch(query, key_cache, value_cache, block_tables, seq_lens, scale
     block_n = max(_BLOCK_N["decode"], triton.next_power_of_2(block_size))
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    native = key_cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
     ws = workspace
     _split_kv_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         query, key_cache, value_cache, block_tables, seq_lens, ws.out, ws.max, ws.sum, float(scale) * LOG2E,
+        float(k_scale), float(v_scale),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         ws.out.stride(0), ws.out.stride(1), ws.out.stride(2), ws.max.stride(0), ws.max.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SEGMENTS=num_segments, NATIVE_DOT=native, num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SEGMENTS=num_segments, NATIVE_DOT=native_dot(query),
+        FP8=is_fp8(key_cache.dtype), num_warps=4,
     )
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, ws.out, ws.max, ws.sum, seq_lens, *out.stride(),
@@ -216,12 +221,14 @@ def split_kv_launch(query, key_cache, value_cache, block_tables, seq_lens, scale
 
 
 def paged_attention_decode_split(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                 num_segments: int | None = None, workspace: SplitKVWorkspace | None = None):
+                                 num_segments: int | None = None, workspace: SplitKVWorkspace | None = None,
+                                 k_scale=1.0, v_scale=1.0):
     """`paged_attention_decode` with each sequence's keys split into `num_segments`
     segments (default: `num_segments_for` this batch on this device). Same
     arguments, errors and result; `workspace`, if given, must fit the launch."""
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs,
+                               k_scale, v_scale)
     if num_segments is None:
         num_segments = num_segments_for(num_seqs, key_cache.shape[2], device_parallelism(query.device))
     check_num_segments(num_segments)
@@ -229,4 +236,5 @@ def paged_attention_decode_split(query, key_cache, value_cache, block_tables, se
                                                    query.device):
         raise ValueError(f"workspace must hold fp32 contiguous partials of shape ({num_seqs}, {query.shape[1]}, "
                          f"{num_segments}, {query.shape[2]}) on {query.device}, got {tuple(workspace.out.shape)}")
-    return split_kv_launch(query, key_cache, value_cache, block_tables, seq_lens, scale, num_segments, workspace)
+    return split_kv_launch(query, key_cache, value_cache, block_tables, seq_lens, scale, num_segments, workspace,
+                           k_scale=float(k_scale), v_scale=float(v_scale))

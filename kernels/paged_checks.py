@@ -17,6 +17,7 @@ import math
 import numpy as np
 import torch
 
+from .kv_cache_dtype import check_kv_scale, is_fp8
 from .validation import CACHE_DTYPES, check_block_tables, check_kv_cache, check_num_heads, check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -25,9 +26,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def check_query(query, key_cache, name: str = "query") -> None:
     """query [tokens, num_heads, head_dim] on the cache's device, in the cache's
     dtype (as vLLM's attention backends require: the fast path feeds both to
-    one `tl.dot`, which rejects mixed dtypes), head_dim matching."""
+    one `tl.dot`, which rejects mixed dtypes), head_dim matching. An fp8 cache is
+    read dequantised to fp32, so it takes a query of any of CACHE_DTYPES."""
     check_tensor(name, query, ndim=3, dtypes=CACHE_DTYPES, device=key_cache.device)
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
         raise ValueError(f"{name} dtype {str(query.dtype).replace('torch.', '')} must equal the cache's dtype "
                          f"{str(key_cache.dtype).replace('torch.', '')}")
     if query.shape[2] != key_cache.shape[3]:
@@ -98,13 +100,21 @@ def check_cu_seqlens_q(cu_seqlens_q, seq_lens, num_tokens: int, device) -> None:
         )
 
 
-def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping):
+def check_kv_scales(k_scale, v_scale, key_cache) -> tuple[float, float]:
+    """Per-tensor scales of a cache: finite and > 0; 1.0 unless the cache is fp8."""
+    return check_kv_scale("k_scale", k_scale, key_cache.dtype), check_kv_scale("v_scale", v_scale, key_cache.dtype)
+
+
+def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """Checks `reshape_and_cache`'s arguments; returns the cache geometry
-    (num_blocks, block_size, num_kv_heads, head_dim)."""
+    (num_blocks, block_size, num_kv_heads, head_dim). New K/V are in the cache's
+    dtype, or for an fp8 cache in any of CACHE_DTYPES (quantized on the way in)."""
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
+    check_kv_scales(k_scale, v_scale, key_cache)
     dev = key_cache.device
-    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=dev)
-    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=dev)
+    kv_dtypes = CACHE_DTYPES if is_fp8(key_cache.dtype) else (key_cache.dtype,)
+    check_tensor("key", key, ndim=3, dtypes=kv_dtypes, device=dev)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=dev)
     if key.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"key shape {tuple(key.shape)} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache")
     if value.shape != key.shape:
@@ -117,9 +127,10 @@ def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mappin
 
 
 def check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                               num_seqs: int) -> None:
+                               num_seqs: int, k_scale=1.0, v_scale=1.0) -> None:
     """Checks the arguments shared by paged decode and varlen attention."""
     num_blocks, block_size, num_kv_heads, _ = check_kv_cache(key_cache, value_cache)
+    check_kv_scales(k_scale, v_scale, key_cache)
     check_query(query, key_cache)
     check_num_heads(query.shape[1], num_kv_heads)
     check_block_tables(block_tables, seq_lens, num_seqs, block_size, key_cache.device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What a KV cache may also hold: an fp8 format (`kv_cache_dtype.py`), read with its per-tensor scale.
+KV_CACHE_DTYPES = CACHE_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
@@ -26,7 +28,7 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
 def check_kv_cache(key_cache, value_cache) -> tuple[int, int, int, int]:
     """Caches are [num_blocks, block_size, num_kv_heads, head_dim], same shape,
     dtype and device. Returns that shape."""
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES)
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=key_cache.device)
     if value_cache.shape != key_cache.shape:
         raise ValueError(

@@ -43,6 +43,16 @@ SIMD_AVX2 = "kernels/csrc/simd_avx2.h"
 GEMM_TESTS = ["tests/test_kernels_cpu_gemm.py"]
 SPLIT = "kernels/paged_attention_split.py"
 SPLIT_TESTS = ["tests/test_kernels_paged_attention_split.py"]
+# The fp8 KV cache's quantize/dequantize pair (kv_cache_dtype "fp8_e4m3" / "fp8_e5m2"), checked
+# against an fp8 oracle that decodes bytes from their bits (tests/fp8_oracle.py).
+FP8 = "kernels/kv_cache_dtype.py"
+FP8_TESTS = "tests/test_kernels_fp8_kv.py"
+
+
+def fp8_test(node: str) -> list[str]:
+    """The one fp8 test that catches a mistake: each numba or Triton path compiles on first use
+    in the mutant's fresh copy, and the whole file passes 60 s on a loaded 2-core machine."""
+    return [f"{FP8_TESTS}::{node}"]
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -586,5 +596,54 @@ MUTANTS: list[Mutant] = [
         new="kv_end = seq_len",
         tests=SPLIT_TESTS,
         why="split-KV: every segment runs to the end of the sequence, so later keys are counted several times",
+    ),
+    Mutant(
+        name="fp8_scale_applied_twice",
+        path=FP8,
+        old="return (x.float() / scale).clamp(-big, big).to(dtype)",
+        new="return (x.float() / scale / scale).clamp(-big, big).to(dtype)",
+        tests=fp8_test("test_quantize_matches_the_oracle"),
+        why="fp8 KV cache: the scale divided twice on the way in, so every cached value is off by 1 / scale",
+    ),
+    Mutant(
+        name="fp8_scale_not_applied_on_reading",
+        path=ATTN,
+        old="k, v = dequantize(k, float(k_scale)), dequantize(v, float(v_scale))",
+        new="k, v = dequantize(k, 1.0), dequantize(v, 1.0)",
+        tests=fp8_test("test_decode_reads_dequantised_cache[reference-e4m3]"),
+        why="fp8 KV cache: the reference reads stored bytes without multiplying by k_scale / v_scale",
+    ),
+    Mutant(
+        name="fp8_wrong_format_when_writing",
+        path=FP8,
+        old="return (x.float() / scale).clamp(-big, big).to(dtype)",
+        new="return (x.float() / scale).clamp(-big, big).to(torch.float8_e5m2).view(dtype)",
+        tests=fp8_test("test_quantize_matches_the_oracle"),
+        why="fp8 KV cache: values written as e5m2 bytes into an e4m3 cache that is read as e4m3",
+    ),
+    Mutant(
+        name="fp8_wrong_format_when_reading_numba",
+        path=CPU_KERNEL,
+        old="return fp8_table(cache_dtype, float(k_scale)).numpy(), fp8_table(cache_dtype, float(v_scale)).numpy()",
+        new="return (fp8_table(torch.float8_e5m2, float(k_scale)).numpy(), "
+            "fp8_table(cache_dtype, float(v_scale)).numpy())",
+        tests=fp8_test("test_decode_reads_dequantised_cache[numba-e4m3]"),
+        why="fp8 KV cache: the CPU kernel decodes every cache's key bytes as e5m2, whatever format wrote them",
+    ),
+    Mutant(
+        name="fp8_scale_not_applied_on_reading_triton",
+        path="kernels/paged_attention.py",
+        old="k = k.to(tl.float32) * k_scale",
+        new="k = k.to(tl.float32)",
+        tests=fp8_test("test_decode_reads_dequantised_cache[triton-e4m3]"),
+        why="fp8 KV cache: the Triton kernels read key bytes without multiplying by k_scale",
+    ),
+    Mutant(
+        name="fp8_scale_applied_twice_triton",
+        path="kernels/reshape_and_cache.py",
+        old="k = tl.clamp(k.to(tl.float32) / k_scale, -fp8_max, fp8_max)",
+        new="k = tl.clamp(k.to(tl.float32) / k_scale / k_scale, -fp8_max, fp8_max)",
+        tests=fp8_test("test_writers_store_the_oracle_bytes[in_dtype0-triton-e4m3]"),
+        why="fp8 KV cache: the Triton writer divides keys by k_scale twice",
     ),
 ]

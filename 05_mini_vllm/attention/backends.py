@@ -5,14 +5,19 @@ vLLM counterparts: `vllm/v1/attention/backends/` (`flash_attn.py`,
 `vllm/attention/selector.py` (`get_attn_backend`).
 
 Every backend has one entry point, `forward(query, key, value, key_cache,
-value_cache, md, scale)`, for a whole mixed batch (prefill chunks and decodes
-together, laid out by the `AttentionMetadata` md):
+value_cache, md, scale, k_scale, v_scale)`, for a whole mixed batch (prefill
+chunks and decodes together, laid out by the `AttentionMetadata` md):
 
 1. it FIRST scatters the batch's new keys/values into the cache at
    `md.slot_mapping` (every token of every sequence), and
 2. THEN attends over the whole batch at once (no per-sequence loop): one
    varlen kernel launch for "triton" and "cpu"; for "torch" one padded SDPA
    call per group (the prefill chunks, and the decodes bucketed by length).
+
+An fp8 cache (the cache tensors' dtype, from `kv_cache_dtype`) is written
+quantized, fp8(x / scale), and read dequantised, stored * scale, with the
+layer's per-tensor k_scale / v_scale, on every backend (vLLM passes
+`layer._k_scale_float` the same way); other caches take scale 1.0.
 
 The order is an invariant, not a detail: a sequence may read blocks that
 another sequence of the same step writes (a prefix-cache hit on blocks being
@@ -40,6 +45,7 @@ import torch
 
 from mini_vllm.attention import torch_attn
 from mini_vllm.attention.metadata import AttentionMetadata
+from mini_vllm.kernels.kv_cache_dtype import as_bytes, quantize
 from mini_vllm.paged_attention import reshape_and_cache as torch_reshape_and_cache
 
 BACKEND_NAMES = ("torch", "triton", "cpu")
@@ -53,13 +59,15 @@ class TorchAttentionBackend:
     # Host-side planning (lengths read back, per-group launches): never inside a CUDA graph.
     full_cudagraph_support = False
 
-    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
-        torch_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        return self.attend(query, key_cache, value_cache, md, scale)
+    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0):
+        torch_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
+        return self.attend(query, key_cache, value_cache, md, scale, k_scale, v_scale)
 
     @staticmethod
-    def attend(query, key_cache, value_cache, md: AttentionMetadata, scale: float):
-        return torch_attn.attend(query, key_cache, value_cache, md, scale)
+    def attend(query, key_cache, value_cache, md: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0):
+        return torch_attn.attend(query, key_cache, value_cache, md, scale, k_scale, v_scale)
 
 
 class TritonAttentionBackend:
@@ -71,7 +79,8 @@ class TritonAttentionBackend:
     # A pure-decode step's launches depend only on tensor shapes: a FULL graph may hold them.
     full_cudagraph_support = True
 
-    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0):
         # Imported lazily: importing triton is slow and the torch backend never needs it.
         from mini_vllm.kernels.paged_attention import paged_attention_unchecked
         from mini_vllm.kernels.paged_attention_split import num_segments_for, split_kv_launch
@@ -81,7 +90,7 @@ class TritonAttentionBackend:
         # already): the kernels' own argument checks read index tensors back to the host,
         # and 5-7 such waits per layer kept a GPU idle most of a decode step.
         md.validate(key_cache.shape[0], key_cache.shape[1])
-        reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping)
+        reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
         if md.max_query_len == 1:
             # A pure-decode step: one program per (sequence, KV head) instead of a 64-row query
             # tile of which a decode fills GROUP rows; when that leaves SMs idle (a small batch),
@@ -90,9 +99,9 @@ class TritonAttentionBackend:
             segments = num_segments_for(query.shape[0], key_cache.shape[2], _parallelism(query.device))
             if segments > 1:
                 return split_kv_launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale,
-                                       segments)
+                                       segments, k_scale=k_scale, v_scale=v_scale)
         return paged_attention_unchecked(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q,
-                                         md.seq_lens, scale, decode=md.max_query_len == 1)
+                                         md.seq_lens, scale, md.max_query_len == 1, k_scale, v_scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +148,8 @@ class CpuAttentionBackend:
     full_cudagraph_support = False  # a CPU kernel: nothing to capture
     builder = CPUAttentionMetadataBuilder()  # stateless: one for every layer
 
-    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0):
         # Imported lazily: numba takes a moment to import and the other backends never need it.
         from mini_vllm.kernels.cpu_paged_attention import check_cpu_inputs, run_varlen
 
@@ -147,22 +157,25 @@ class CpuAttentionBackend:
         if not isinstance(cpu_md, CPUAttentionMetadata):  # the step's first layer
             cpu_md = md.backend_metadata = self.builder.build(md, key_cache.shape[0], key_cache.shape[1])
         check_cpu_inputs(query, key_cache, value_cache)
-        write_kv_in_place(key, value, key_cache, value_cache, cpu_md.slots, cpu_md.real)
+        write_kv_in_place(key, value, key_cache, value_cache, cpu_md.slots, cpu_md.real, k_scale, v_scale)
         return run_varlen(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale,
-                          plan_cache=cpu_md.plans)
+                          plan_cache=cpu_md.plans, k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv_in_place(key, value, key_cache, value_cache, slots, real=None) -> None:
+def write_kv_in_place(key, value, key_cache, value_cache, slots, real=None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
     """Chapter 1's `reshape_and_cache` for contiguous caches: slot s is row s of
     the cache seen as [num_blocks * block_size, num_kv_heads, head_dim], so one
     `index_copy_` per cache writes the whole batch (faster than indexing by
     (block, offset) pairs: 115 -> 20 us for a 128-token decode step, 2.0 -> 0.58 ms
     for 2,048 tokens, one thread).
-    `slots` are already checked and free of -1; `real` selects their rows."""
+    `slots` are already checked and free of -1; `real` selects their rows. An fp8
+    cache gets `quantize`'s bytes, copied as uint8 (torch has no CPU float8 index_copy_)."""
     if real is not None:
         key, value = key[real], value[real]
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+    key, value = quantize(key, k_scale, key_cache.dtype), quantize(value, v_scale, value_cache.dtype)
+    as_bytes(key_cache).view(-1, *key_cache.shape[2:]).index_copy_(0, slots, as_bytes(key))
+    as_bytes(value_cache).view(-1, *value_cache.shape[2:]).index_copy_(0, slots, as_bytes(value))
 
 
 _BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend, "cpu": CpuAttentionBackend}

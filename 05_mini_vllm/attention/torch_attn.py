@@ -16,7 +16,8 @@ Per step, `plan()` (stored as the step's `TorchAttentionMetadata` in
 Per layer, `attend()` gathers K/V block by block, zeroes (by index) every
 position past a sequence's length (stale or NaN data in a partly filled block or behind a
 -1 table entry never reaches the product: 0 * NaN would be NaN even under a
-mask), and runs one `scaled_dot_product_attention` per group. GQA: the query
+mask), and runs one `scaled_dot_product_attention` per group. An fp8 cache's
+gathered blocks are dequantised (stored * scale) to the query's dtype first. GQA: the query
 heads of a KV head are folded into the query axis, so K/V are never repeated.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mini_vllm.kernels.kv_cache_dtype import dequantize, is_fp8
 
 _MIN_BUCKET = 4  # fewer sequences than this do not get a bucket of their own
 
@@ -110,7 +113,7 @@ def plan(md, block_size: int, device) -> list[GroupPlan]:
     return out
 
 
-def attend(query, key_cache, value_cache, md, scale: float) -> torch.Tensor:
+def attend(query, key_cache, value_cache, md, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     g = num_heads // num_kv_heads
@@ -121,6 +124,9 @@ def attend(query, key_cache, value_cache, md, scale: float) -> torch.Tensor:
         width = p.num_blocks * block_size
         k = key_cache.index_select(0, p.block_ids).view(S * width, num_kv_heads, head_dim)
         v = value_cache.index_select(0, p.block_ids).view(S * width, num_kv_heads, head_dim)
+        if is_fp8(key_cache.dtype):  # dequantised in the query's dtype, what SDPA takes
+            k = (dequantize(k, k_scale)).to(query.dtype)
+            v = (dequantize(v, v_scale)).to(query.dtype)
         if p.invalid.numel():
             k.index_fill_(0, p.invalid, 0)
             v.index_fill_(0, p.invalid, 0)

@@ -26,6 +26,11 @@ Invariants:
   after what produces q/k/v and before what reads `output`. The KV cache it
   also writes is invisible to the compiler, which is safe because nothing in a
   graph reads a cache: only this op, for its own layer, in layer order;
+* an fp8 cache (`kv_cache_dtype`) is written and read with this layer's
+  per-tensor `k_scale` / `v_scale` (vLLM's `Attention._k_scale_float`): 1.0,
+  the checkpoint's (`kv_scales.py`), or computed from the first step that
+  writes K/V when `calculate_kv_scales` is set (vLLM's former
+  `calc_kv_scales`: max|K| / 200, max|V| / 100), then fixed for the run;
 * every layer's `layer_name` is unique in the process (a draft and a target
   model, or a test's many models, never share one), and the registry holds
   layers weakly, so a dropped model is freed.
@@ -37,6 +42,13 @@ import weakref
 
 import torch
 from torch import nn
+
+from mini_vllm.kernels.kv_cache_dtype import is_fp8
+
+# vLLM's former K_SCALE_CONSTANT / V_SCALE_CONSTANT (`calc_kv_scales`): a computed scale
+# maps the step's largest |K| to 200 and |V| to 100, inside e4m3's 448 with headroom for
+# later tokens that exceed the first prefill's range.
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
 from mini_vllm.attention.backends import get_attn_backend
 from mini_vllm.forward_context import get_forward_context
@@ -79,6 +91,12 @@ class Attention(nn.Module):
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Per-tensor scales of an fp8 cache (1.0 for any other): stored = fp8(x / scale).
+        self.k_scale, self.v_scale = 1.0, 1.0
+        # (k_scale, v_scale) found in the checkpoint, if any (`kv_scales.py`); used only by an fp8 cache.
+        self.checkpoint_kv_scales: tuple[float, float] | None = None
+        # True: the next step that writes K/V sets k_scale / v_scale from its values, then clears this.
+        self.calculate_kv_scales = False
         # vLLM names a layer by its module path; two models built from the same
         # config would share those, so a process-wide number makes the name unique.
         self.layer_name = f"{prefix}.{next(_NEXT_ID)}"
@@ -106,12 +124,24 @@ class Attention(nn.Module):
         num_tokens = md.num_tokens
         if q.shape[0] < num_tokens:
             raise RuntimeError(f"attention got {q.shape[0]} rows for a step of {num_tokens} tokens")
+        key = k[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size)
+        value = v[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size)
+        if self.calculate_kv_scales and num_tokens:
+            self.calc_kv_scales(key, value)
         out = self.backend.forward(
-            q[:num_tokens].reshape(num_tokens, self.num_heads, self.head_size),
-            k[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size),
-            v[:num_tokens].reshape(num_tokens, self.num_kv_heads, self.head_size),
-            self.kv_cache[0], self.kv_cache[1], md, self.scale)
+            q[:num_tokens].reshape(num_tokens, self.num_heads, self.head_size), key, value,
+            self.kv_cache[0], self.kv_cache[1], md, self.scale, self.k_scale, self.v_scale)
         output[:num_tokens].copy_(out.reshape(num_tokens, -1))
+
+    def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Per-tensor scales from this step's K/V (vLLM's former `Attention.calc_kv_scales`), once.
+        An all-zero K or V keeps scale 1.0 (a zero scale would divide by zero)."""
+        if not is_fp8(self.kv_cache[0].dtype):
+            raise RuntimeError("calculate_kv_scales is set on a layer whose KV cache is not fp8")
+        k_max, v_max = float(key.abs().max()), float(value.abs().max())
+        self.k_scale = k_max / K_SCALE_CONSTANT if k_max > 0 else 1.0
+        self.v_scale = v_max / V_SCALE_CONSTANT if v_max > 0 else 1.0
+        self.calculate_kv_scales = False
 
 
 def set_attention_backend(model: nn.Module, name: str) -> None:

@@ -8,6 +8,8 @@ KV budget, in order of precedence:
 * `kv_cache_memory_bytes` when set, on any device (CPU default: 512 MiB);
 * otherwise on CUDA: `gpu_memory_utilization` x total memory, minus the peak
   that a profiling forward pass of `max_num_batched_tokens` tokens reached.
+Blocks are sized in the KV cache's dtype (`kv_cache_dtype`): an fp8 cache fits
+2x the tokens of a bf16 one in the same bytes, 4x those of an fp32 one.
 
 Tensor parallelism: a worker is one rank; it builds the model inside its
 group (each layer keeps only its shard) and allocates the KV cache of its own
@@ -32,6 +34,7 @@ from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
 from mini_vllm.worker.model_forward import ModelForward
 from mini_vllm.worker.model_runner import ModelRunner
 from mini_vllm.models.attention import set_attention_backend
+from mini_vllm.models.kv_scales import configure_kv_scales
 from mini_vllm.models.loader import load_model
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.speculative.auto_schedule import AutoSchedule
@@ -75,7 +78,7 @@ class Worker:
         num_draft_layers = 0 if self.draft_head is None else len(self.draft_head.attention_layers())
         self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers + num_draft_layers, config.block_size,
                                                   self.num_kv_heads, mc.head_dim,
-                                                  config.torch_dtype)
+                                                  config.kv_cache_torch_dtype)
 
     def _graph_modes_for_backend(self, config) -> CompilationConfig:
         """FULL graphs capture attention too, which only a capture-safe backend allows
@@ -124,7 +127,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         tmp = [allocate_kv_cache(n_blocks, bs, self.num_kv_heads, mc.head_dim,
-                                 cfg.torch_dtype, dev) for _ in range(mc.num_hidden_layers)]
+                                 cfg.kv_cache_torch_dtype, dev) for _ in range(mc.num_hidden_layers)]
         for layer, kv in zip(self.model.attention_layers(), tmp):
             layer.kv_cache = kv
         md = dummy_metadata(num_tokens, 1, bs, dev)
@@ -177,7 +180,7 @@ class Worker:
         head = self.draft_head
         self.cache_engine = CacheEngine(
             mc.num_hidden_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size, self.num_kv_heads,
-            mc.head_dim, cfg.torch_dtype, self.device,
+            mc.head_dim, cfg.kv_cache_torch_dtype, self.device,
             num_draft_layers=0 if head is None else len(head.attention_layers()),
             num_scratch_blocks=0 if head is None else EagleProposer.scratch_blocks_needed(
                 max_num_seqs, cfg.speculative.num_speculative_tokens, cfg.block_size))
@@ -197,6 +200,20 @@ class Worker:
         self.model_runner.capture_model()
         if cfg.speculative is not None and cfg.speculative.num_speculative_tokens_per_batch_size == "auto":
             self._measure_spec_schedule(max_num_seqs)
+        # After the warm-up and measuring steps: computed scales come from the first real step.
+        configure_kv_scales(self.kv_scale_layers(), cfg.kv_cache_torch_dtype, cfg.calculate_kv_scales)
+
+    def kv_scale_layers(self) -> list:
+        """Every attention layer that writes an fp8-capable cache of this worker: the target's,
+        an EAGLE head's and a draft model's (each has its own k_scale / v_scale)."""
+        layers = list(self.model.attention_layers())
+        if self.draft_head is not None:
+            layers += self.draft_head.attention_layers()
+        from mini_vllm.speculative.proposers import DraftModelProposer
+
+        if isinstance(self.model_runner.proposer, DraftModelProposer):
+            layers += self.model_runner.proposer.draft.attention_layers()
+        return layers
 
     def _measure_spec_schedule(self, max_num_seqs: int) -> None:
         """The default batch-size schedule of drafts (`speculative/auto_schedule.py`), from
@@ -228,7 +245,7 @@ class Worker:
         # token the target holds, plus k lookahead slots and a partial block per request.
         bs, k = self.config.block_size, spec.num_speculative_tokens
         num_blocks += self.config.max_num_seqs * (1 + -(-k // bs))
-        return DraftModelProposer(draft, dcfg, k, num_blocks, bs, self.config.torch_dtype, self.device)
+        return DraftModelProposer(draft, dcfg, k, num_blocks, bs, self.config.kv_cache_torch_dtype, self.device)
 
     def use_model_runner(self, runner_cls) -> None:
         """Rebuild the runner as `runner_cls` on this worker's model and KV cache
