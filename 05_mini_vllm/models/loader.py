@@ -16,6 +16,8 @@ Invariants:
   - a model parameter no file provides -> ValueError naming the tensor;
 * a tied model (`tie_word_embeddings`) needs no `lm_head.weight`; a copy in
   the checkpoint is ignored;
+* fp8 KV-cache scales (`...self_attn.k_scale` and the other names vLLM reads)
+  go to their attention layer's `checkpoint_kv_scales` (`kv_scales.py`);
 * a mixture of experts (`FusedMoE`) may be stored per expert or fused
   (`FusedMoE.checkpoint_layouts`); one of its layouts must be complete;
 * weight loaders get lazy safetensors slices, never whole tensors: under
@@ -34,6 +36,7 @@ from safetensors import safe_open
 from mini_vllm.attention.backends import default_backend
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .kv_scales import parse_kv_scale_name, set_checkpoint_scales
 from .fused_moe.layer import FusedMoE
 from .llama import LlamaForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -109,9 +112,13 @@ def load_weights(model, files: list[Path]) -> None:
     expected, alternatives = _expected_tensors(model)
     tied = model.config.tie_word_embeddings
     seen: set[str] = set()
+    kv_scales = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if name not in expected and parse_kv_scale_name(name) is not None:
+                    kv_scales[name] = f.get_tensor(name)
+                    continue
                 if name not in expected:
                     if (tied and name == "lm_head.weight") or name.endswith(_IGNORED_SUFFIXES):
                         continue
@@ -129,6 +136,7 @@ def load_weights(model, files: list[Path]) -> None:
                 except ValueError as e:
                     raise ValueError(f"{file}: tensor {name!r}: {e}") from None
                 seen.add(name)
+    set_checkpoint_scales(model, kv_scales)
     optional = set()
     for layouts in alternatives:  # the layouts this checkpoint does not use are not missing
         best = min(layouts, key=lambda names: len(names - seen))
