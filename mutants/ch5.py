@@ -23,6 +23,10 @@ MOE_KERNEL_TESTS = "tests/test_kernels_fused_moe.py"
 MOE_ROUTER = "05_mini_vllm/models/fused_moe/router.py"
 MOE_LAYER = "05_mini_vllm/models/fused_moe/layer.py"
 MOE_LAYER_TESTS = ["tests/test_ch5_moe_layer.py"]
+QUANT_FP8 = "05_mini_vllm/models/quantization/fp8.py"
+QUANT_UTILS = "05_mini_vllm/models/quantization/quant_utils.py"
+INT8_KERNEL = "kernels/cpu_int8_linear.py"
+QUANT_TESTS = "tests/test_ch5_quant_weights.py"
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -414,5 +418,41 @@ MUTANTS: list[Mutant] = [
         tests=[f"{MOE_KERNEL_TESTS}::test_align_spans_several_chunks", f"{MOE_KERNEL_TESTS}::test_align_invariants"],
         why="the align programs must read disjoint chunks of pairs: overlapping chunks place the pair at each "
             "chunk edge in its expert's segment twice",
+    ),
+    Mutant(
+        name="fp8_weight_scale_applied_twice",
+        path=QUANT_FP8,
+        old="    out = acc * x_scale * w_scale.reshape(1, -1)\n",
+        new="    out = acc * x_scale * w_scale.reshape(1, -1) * w_scale.reshape(1, -1)\n",
+        tests=[f"{QUANT_TESTS}::test_fp8_scaled_mm_matches_dequantized_reference[per-token]"],
+        why="the W8A8 product is scaled by s_x * s_w once: a weight scale applied again (once by _scaled_mm's "
+            "scale_b, once after it) shrinks every output by max|w| / 448",
+    ),
+    Mutant(
+        name="fp8_activation_scale_not_applied",
+        path=QUANT_FP8,
+        old="    out = acc * x_scale * w_scale.reshape(1, -1)\n",
+        new="    out = acc * w_scale.reshape(1, -1)\n",
+        tests=[f"{QUANT_TESTS}::test_fp8_scaled_mm_matches_dequantized_reference[per-tensor]"],
+        why="the dequantizing side must undo both quantizations: without s_x the output is in units of the "
+            "activations' fp8 codes, max|x| / 448 times too large or small",
+    ),
+    Mutant(
+        name="int8_scale_not_applied_on_dequantize",
+        path=INT8_KERNEL,
+        old="out[m, n0 + r] = acc * scale[n0 + r]",
+        new="out[m, n0 + r] = acc",
+        tests=[f"{QUANT_TESTS}::test_int8_kernel_matches_reference_and_is_batch_invariant[3-dtype0]"],
+        why="the int8 kernel sums x * q, the weight's integer codes: the row's scale turns the sum back into "
+            "x @ w; dropped, every output is 127 / max|w_row| times too large",
+    ),
+    Mutant(
+        name="int8_quantize_divides_by_scale_twice",
+        path=QUANT_UTILS,
+        old="return (w.float() / _as_rows(scale, w)).round()",
+        new="return (w.float() / _as_rows(scale, w) / _as_rows(scale, w)).round()",
+        tests=[f"{QUANT_TESTS}::test_int8_round_trip_within_half_a_step"],
+        why="quantizing divides by the scale once; twice, nearly every code clips to +-127 and the weight's "
+            "shape is lost",
     ),
 ]
