@@ -111,3 +111,53 @@ def test_metadata_builder_checks_and_cheap_greedy_path():
         SamplingMetadata.from_params([SamplingParams()], [[1]], [[]], [None], [], 8)
     with pytest.raises(ValueError, match="vocab_size"):
         SamplingMetadata.from_params([SamplingParams()], [[1]], [[]], [None], [None], 0)
+
+
+# --- What each parameter asks of the engine (mini_vllm.sample.param_effects) -------------
+# One request per parameter that changes what is sampled, with that parameter alone in use,
+# and whether speculative verification may serve it / sampling reads its output history.
+# Written out by hand from what each parameter does, independently of the table.
+ONE_PARAM = [  # (kwargs, verifier reproduces it, reads the output history)
+    (dict(temperature=0.7), True, False), (dict(top_p=0.9), True, False), (dict(top_k=5), True, False),
+    (dict(stop=["x"]), True, False), (dict(n=2), True, False), (dict(prompt_logprobs=1), True, False),
+    (dict(max_tokens=3), True, False), (dict(ignore_eos=True), True, False),
+    (dict(min_p=0.1), False, False), (dict(seed=3), False, False), (dict(logprobs=0), False, False),
+    (dict(logit_bias={5: 1.0}), False, False), (dict(allowed_token_ids=[1, 2]), False, False),
+    (dict(presence_penalty=0.5), False, True), (dict(frequency_penalty=0.5), False, True),
+    (dict(repetition_penalty=1.2), False, True), (dict(min_tokens=2, max_tokens=4), False, True),
+    (dict(bad_words=["x"]), False, True),
+]
+
+
+def test_every_sampling_field_declares_its_effect():
+    import dataclasses
+
+    from mini_vllm.sample.param_effects import PARAM_EFFECTS
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(PARAM_EFFECTS) == fields, (
+        f"fields without a declared effect: {sorted(fields - set(PARAM_EFFECTS))}; entries for no field: "
+        f"{sorted(set(PARAM_EFFECTS) - fields)}: a new sampling parameter must say whether the verifier "
+        "reproduces it and whether it reads the output history (sample/param_effects.py)")
+
+
+@pytest.mark.parametrize("kwargs,spec_ok,history", ONE_PARAM, ids=lambda v: str(v))
+def test_param_effects_drive_drafts_and_history(kwargs, spec_ok, history):
+    from mini_vllm.sample.param_effects import reads_history
+    from mini_vllm.speculative.verifier import spec_eligible
+    p = SamplingParams(**kwargs)
+    assert spec_eligible(p) == spec_ok, (
+        f"{kwargs}: drafts {'refused' if spec_ok else 'given'}; a parameter the verifier does not rebuild "
+        "would judge drafts under the wrong distribution, and refusing one it does rebuild loses speed")
+    assert reads_history(p) == history, (
+        f"{kwargs}: reads_history {not history}; a parameter that reads earlier output tokens needs the latest "
+        "token on the host before the next step is prepared (async scheduling)")
+
+
+def test_defaults_and_empty_collections_are_off():
+    from mini_vllm.sample.param_effects import reads_history
+    from mini_vllm.speculative.verifier import spec_eligible
+    for p in (SamplingParams(), SamplingParams(stop=[], logit_bias={}, allowed_token_ids=None, top_k=-1)):
+        assert spec_eligible(p) and not reads_history(p), \
+            f"{p}: a default or empty parameter counted as in use"
+    assert not reads_history(SchedulerSamplingParams(min_tokens=3)), \
+        "a Chapter 3 scheduler's params (stop rules only) never read the history"

@@ -23,24 +23,18 @@ from mini_vllm.metrics.stats import SpecDecodingStats
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sample.sampler import greedy_argmax
 from mini_vllm.sample.ops.topk_topp import apply_top_k_top_p
+from mini_vllm.sample.param_effects import verifier_reproduces
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.spec_decode import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 
 
 def spec_eligible(params: SamplingParams) -> bool:
-    """Drafts only for requests whose processing the verifier reproduces
-    exactly (temperature, top-k, top-p): no penalties, min_p, min_tokens,
-    logprobs, logit_bias, allowed_token_ids, bad_words or structured outputs,
-    and no seed (a seeded request must give the same tokens with and without
-    speculation, and verification consumes random numbers differently)."""
-    return (params.seed is None and params.logprobs is None
-            and params.min_p == 0.0 and params.min_tokens == 0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0
-            # Token controls and grammars shape each row before sampling; verification
-            # would need them on every draft row, so such requests decode without drafts.
-            and not params.logit_bias and not params.allowed_token_ids and not params.bad_words
-            and params.structured_outputs is None)
+    """Drafts only for requests whose processing the verifier reproduces exactly
+    (temperature, top-k, top-p, and parameters that do not touch the distribution):
+    no penalties, min_p, min_tokens, logprobs, logit_bias, allowed_token_ids,
+    bad_words, structured outputs or seed. Which parameter is which is declared once,
+    for every field, in `mini_vllm.sample.param_effects`."""
+    return verifier_reproduces(params)
 
 
 def compute_probs(logits: torch.Tensor, sampling: SamplingMetadata, rows_per_request=None) -> torch.Tensor:

@@ -34,19 +34,8 @@ import threading
 import numpy as np
 import torch
 
-from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.worker.prompt_logprobs import prompt_logprobs_dict
-
-
-def reads_history(params) -> bool:
-    """Whether sampling for a request with these params reads its earlier output
-    tokens (so its latest token must be on the host before the step is prepared)."""
-    if not isinstance(params, SamplingParams):  # a Chapter 3 scheduler's own params: stop rules only
-        return False
-    return (params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-            or params.min_tokens > 0 or bool(params._bad_words_token_ids)
-            or params.structured_outputs is not None)
 
 
 class HostStaging:

@@ -36,8 +36,8 @@ import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.worker.async_drafts import AsyncDrafts
-from mini_vllm.worker.async_output import (DeferredStepOutput, HostStaging, defer_step, feedback_indices,
-                                           reads_history)
+from mini_vllm.sample.param_effects import reads_history
+from mini_vllm.worker.async_output import DeferredStepOutput, HostStaging, defer_step, feedback_indices
 from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch
 from mini_vllm.worker.model_forward import ModelForward, eager_config
