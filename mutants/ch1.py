@@ -622,13 +622,12 @@ MUTANTS: list[Mutant] = [
         why="fp8 KV cache: values written as e5m2 bytes into an e4m3 cache that is read as e4m3",
     ),
     Mutant(
-        name="fp8_wrong_format_when_reading_numba",
-        path=CPU_KERNEL,
-        old="return fp8_table(cache_dtype, float(k_scale)).numpy(), fp8_table(cache_dtype, float(v_scale)).numpy()",
-        new="return (fp8_table(torch.float8_e5m2, float(k_scale)).numpy(), "
-            "fp8_table(cache_dtype, float(v_scale)).numpy())",
-        tests=fp8_test("test_decode_reads_dequantised_cache[numba-e4m3]"),
-        why="fp8 KV cache: the CPU kernel decodes every cache's key bytes as e5m2, whatever format wrote them",
+        name="fp8_wrong_format_when_reading",
+        path=ATTN,
+        old="k, v = dequantize(k, float(k_scale)), dequantize(v, float(v_scale))",
+        new="k, v = dequantize(k.view(torch.float8_e5m2), float(k_scale)), dequantize(v, float(v_scale))",
+        tests=fp8_test("test_decode_reads_dequantised_cache[reference-e4m3]"),
+        why="fp8 KV cache: key bytes written as e4m3 are read back as e5m2",
     ),
     Mutant(
         name="fp8_scale_not_applied_on_reading_triton",
