@@ -24,8 +24,9 @@ The three steps:
 3. `_moe_sum_kernel`: out[t] = sum_j rows[t * k + j], cast once to hidden's dtype.
 
 Invariants:
-* every flat id whose expert is local appears exactly once in
-  `sorted_token_ids`, in its expert's segment; a flat id with topk_ids -1
+* every flat id with an expert (topk_ids >= 0) appears exactly once in
+  `sorted_token_ids`, in its expert's segment (segments are by global id;
+  a non-local expert's blocks are labelled -1); a flat id with topk_ids -1
   appears nowhere; every other slot holds the sentinel;
 * a sentinel (padding) row is never loaded and never stored: its mask is
   `flat id < T * k`, so padding reaches no output;

@@ -10,8 +10,10 @@ float32 accumulation, output in hidden's dtype) whatever runs it.
 
 Invariants:
 * "auto" (the default) picks the Triton kernel for CUDA tensors, the CPU path
-  for CPU tensors it supports, and the reference for anything else; every
-  implementation equals the reference up to summation order;
+  (`kernels/cpu_fused_moe.py`) for fp32 and bf16 CPU tensors, and the
+  reference for anything else (fp16 on the CPU, other devices); every
+  implementation equals the reference up to summation order (and, in bf16,
+  the rounding of intermediates the reference does in bf16);
 * `MINI_VLLM_MOE_IMPL` (reference | triton | cpu | auto) forces one, read at
   each call so a test can switch it; any other value is an error naming the
   variable and the allowed values, never silently "auto";
@@ -56,8 +58,9 @@ def select_impl(hidden: torch.Tensor) -> str:
         return impl
     if hidden.is_cuda and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "triton"
-    # The CPU path is wired in when it lands; until then CPU tensors take the reference.
-    return "reference"
+    if hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.bfloat16):
+        return "cpu"
+    return "reference"  # fp16 on the CPU, other devices
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
