@@ -15,8 +15,10 @@ gain nothing; here each weight byte is read once per block of rows and widened i
 
 Layout and loops: the weight stays row-major [N, K] (one output per row). The outputs are
 taken in blocks of `ROWS_PER_BLOCK` weight rows, spread over the threads (a prange, torch's
-thread count as in `cpu_layer_ops.py`); each block's rows are widened to fp32 once into a
-scratch tile that stays in L1, then every input row is multiplied by the tile.
+thread count as in `cpu_layer_ops.py`); for each row of x, one pass over k loads x[m, k] once
+and the block's four int8 weights, widened to fp32 in registers, into four vector
+accumulators (LLVM vectorises the k loop). The block's 4 x K bytes stay in L1 while the rows
+of x pass, so a prefill reads the weight from memory once.
 
 Invariants:
 * `int8_linear_reference` is the oracle: fp32 matmul of the widened weight, then the scale,
@@ -35,7 +37,7 @@ from numba import njit, prange
 
 from .cpu_runtime import use_torch_threads
 
-ROWS_PER_BLOCK = 4  # weight rows widened together: 4 x K fp32 stays in L1 for K <= 2048
+ROWS_PER_BLOCK = 4  # weight rows per pass over x: four accumulators share each load of x
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -43,20 +45,30 @@ DTYPES = (torch.float32, torch.bfloat16)
 def _int8_linear_kernel(x, q, scale, out):  # pragma: no cover - compiled
     m_rows, k = x.shape
     n = q.shape[0]
-    blocks = (n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
-    for b in prange(blocks):
+    full = n // ROWS_PER_BLOCK
+    for b in prange(full):
         n0 = b * ROWS_PER_BLOCK
-        n1 = min(n0 + ROWS_PER_BLOCK, n)
-        tile = np.empty((ROWS_PER_BLOCK, k), np.float32)
-        for r in range(n1 - n0):
-            for j in range(k):
-                tile[r, j] = np.float32(q[n0 + r, j])
+        for m in range(m_rows):  # the block's 4 weight rows (4 x K bytes) stay in L1 across the rows of x
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for j in range(k):  # one load of x[m, j] feeds four products
+                xv = x[m, j]
+                a0 += xv * np.float32(q[n0, j])
+                a1 += xv * np.float32(q[n0 + 1, j])
+                a2 += xv * np.float32(q[n0 + 2, j])
+                a3 += xv * np.float32(q[n0 + 3, j])
+            out[m, n0] = a0 * scale[n0]
+            out[m, n0 + 1] = a1 * scale[n0 + 1]
+            out[m, n0 + 2] = a2 * scale[n0 + 2]
+            out[m, n0 + 3] = a3 * scale[n0 + 3]
+    for r in range(full * ROWS_PER_BLOCK, n):  # the last N % 4 rows
         for m in range(m_rows):
-            for r in range(n1 - n0):
-                acc = np.float32(0.0)
-                for j in range(k):
-                    acc += x[m, j] * tile[r, j]
-                out[m, n0 + r] = acc * scale[n0 + r]
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += x[m, j] * np.float32(q[r, j])
+            out[m, r] = acc * scale[r]
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:

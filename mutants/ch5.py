@@ -440,8 +440,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="int8_scale_not_applied_on_dequantize",
         path=INT8_KERNEL,
-        old="out[m, n0 + r] = acc * scale[n0 + r]",
-        new="out[m, n0 + r] = acc",
+        old="_int8_linear_kernel(xf.numpy(), q.numpy(), scale.numpy(), out.numpy())",
+        new="_int8_linear_kernel(xf.numpy(), q.numpy(), torch.ones_like(scale).numpy(), out.numpy())",
         tests=[f"{QUANT_TESTS}::test_int8_kernel_matches_reference_and_is_batch_invariant[3-dtype0]"],
         why="the int8 kernel sums x * q, the weight's integer codes: the row's scale turns the sum back into "
             "x @ w; dropped, every output is 127 / max|w_row| times too large",
