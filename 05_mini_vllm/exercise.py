@@ -24,8 +24,9 @@ sampling must stay lossless). Its own command, while you work on it:
     .venv/bin/pytest -q tests/test_ch5_eagle.py --impl=exercise
 Part 4, a mixture of experts' router (vLLM: `fused_topk` in
 `vllm/model_executor/layers/fused_moe/router/`): `fused_topk`, each token's k
-experts and their weights, renormalised or not (tests/test_ch5_moe_layer.py;
-the layer that uses it is `models/fused_moe/layer.py`).
+experts and their weights, renormalised or not (the layer that uses it is
+`models/fused_moe/layer.py`; notebook `moe.ipynb`). Its own command:
+    .venv/bin/pytest -q tests/test_ch5_moe_layer.py --impl=exercise
 
 Given: the persistent batch's storage (`InputBatch`, `CachedRequestState`:
 rows, condensing on removal; `add_request` also writes the request's sampling
