@@ -162,16 +162,18 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ptr, expert_i
         a = tl.load(a_row + kk[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & n_ok[None, :]
         b = tl.load(b_base + kk[:, None] * stride_bk + n[None, :] * stride_bn, mask=b_mask, other=0.0)
-        if not NATIVE_DOT:
+        if NATIVE_DOT:
+            acc = tl.dot(a, b, acc)
+        else:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
         if GATED:
             b_up = tl.load(b_base + kk[:, None] * stride_bk + (n + N)[None, :] * stride_bn, mask=b_mask,
                            other=0.0)
-            if not NATIVE_DOT:
-                b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            if NATIVE_DOT:
+                acc_up = tl.dot(a, b_up, acc_up)
+            else:
+                acc_up = tl.dot(a, b_up.to(tl.float32), acc_up, input_precision="ieee")
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:

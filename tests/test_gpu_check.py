@@ -43,7 +43,8 @@ def test_small_cpu_run_fills_every_section(report):
     out, r = report
     plan = make_plan("cpu", small=True)
     assert {n: v["status"] for n, v in r["sections"].items()} == {n: "ok" for n in
-        ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "step_profile", "memory")}, "a section did not run"
+        ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "moe", "step_profile", "memory")}, \
+        "a section did not run"
     assert r["checks"] and all(c["ok"] for c in r["checks"]), f"a correctness check failed: {r['checks']}"
     t = r["sections"]["cuda_tests"]
     assert t["tests"] > 0 and t["passed"] == t["tests"] and (out / t["log"]).exists(), \
@@ -72,6 +73,14 @@ def test_small_cpu_run_fills_every_section(report):
         (b, c) for b in plan.attn_batches for c in plan.attn_contexts], "attention shapes missing"
     assert all(row["varlen"]["bytes_per_s"] > 0 and row["decode_vs_varlen_max_diff"] < 1e-2 for row in a["rows"]), \
         "the decode and varlen launches must agree on the same decode batch"
+
+    mo = r["sections"]["moe"]
+    assert [row["batch"] for row in mo["rows"]] == list(plan.moe_batches) and mo["ok"], \
+        "the fused-MoE section must check the Triton kernel against the reference at every batch of the plan"
+    assert all(row["max_abs_err"] <= row["tolerance"] and row["reference_over_triton"] == pytest.approx(
+        row["reference_us"] / row["triton_us"]) for row in mo["rows"]), "the MoE speed ratio is miscomputed"
+    assert mo["reference_over_triton_at_goal"] == mo["rows"][plan.moe_batches.index(plan.moe_goal_batch)][
+        "reference_over_triton"], "the MoE goal must be judged at the goal batch"
 
     p = r["sections"]["step_profile"]
     assert [q["batch"] for q in p["rows"]] == list(plan.profile_batches)
@@ -110,7 +119,7 @@ def test_small_cpu_run_fills_every_section(report):
     assert all(g["met"] is None for g in r["goals"]), "speed goals must not be judged on a CPU run"
     md = (out / "report.md").read_text()
     for heading in ("## Verdict", "## Goals", "## CUDA tests", "## Throughput", "## Decode attention bandwidth",
-                    "## Decode step profile", "## KV cache sizing"):
+                    "## Fused MoE", "## Decode step profile", "## KV cache sizing"):
         assert heading in md, f"report.md lacks {heading!r}"
 
 

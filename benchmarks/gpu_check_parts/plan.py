@@ -42,6 +42,11 @@ class Plan:
     attn_contexts: tuple[int, ...] = (512, 2048, 8192)
     attn_goal_shape: tuple[int, int] = (64, 2048)
     attn_iters: int = 20
+    # fused MoE: (hidden, expert intermediate, experts, top-k) = Qwen3-30B-A3B's, batch sizes, the goal's batch
+    moe_shape: tuple[int, int, int, int] = (2048, 768, 128, 8)
+    moe_batches: tuple[int, ...] = (1, 64, 256)
+    moe_goal_batch: int = 256
+    moe_iters: int = 10
     # step profile: decode steps at these batch sizes, prompts of profile_prompt_len
     profile_batches: tuple[int, ...] = (1, 8, 64, 256)
     profile_steps: int = 5
@@ -71,6 +76,7 @@ def make_plan(device: str, small: bool, budget_s: float | None = None) -> Plan:
                 kv_cache_memory_bytes=16 << 20, graph_kv_bytes=16 << 20, hf_batch_sizes=(2, 4), hf_budget_s=30.0,
                 hf_continuous_budget_s=30.0, greedy_requests=2, greedy_exact_tokens=4, attn_heads=(4, 2, 16),
                 attn_batches=(1, 2), attn_contexts=(16, 32), attn_goal_shape=(2, 32), attn_iters=1,
+                moe_shape=(32, 16, 8, 2), moe_batches=(1, 4), moe_goal_batch=4, moe_iters=1,
                 profile_batches=(1, 2), profile_steps=2, profile_prompt_len=8, roofline_profile_steps=2, tests_timeout_s=120.0,
                 deadline_s=300.0)
 

@@ -18,7 +18,8 @@ GOALS = [("engine_tok_per_s", "nano-vllm's workload >= 15,000 output tok/s", 150
           0.8, "min"),
          ("prefill_gemm_fraction_of_peak", "largest prefill steps' GEMMs >= 50% of dense bf16 peak", 0.5, "min"),
          ("worst_wall_over_busy", "decode step wall <= 1.15x device-busy at batch 1, 8 and 64 (engine default)",
-          1.15, "max")]
+          1.15, "max"),
+         ("moe_triton_over_reference", "fused-MoE Triton kernel >= 5x the reference loop at batch 256", 5.0, "min")]
 
 
 def goals(sections: dict, device: str) -> list[dict]:
@@ -40,7 +41,8 @@ def goals(sections: dict, device: str) -> list[dict]:
               "decode_attention_fraction_of_copy": get("attention_bw", "at_goal_shape", "engine", "fraction_of_copy"),
               "prefill_gemm_fraction_of_peak": get("throughput", "engine", "roofline", "windows", "prefill",
                                                    "gemm_fraction_of_peak"),
-              "worst_wall_over_busy": max(ratios) if ratios else None}
+              "worst_wall_over_busy": max(ratios) if ratios else None,
+              "moe_triton_over_reference": get("moe", "reference_over_triton_at_goal")}
     out = []
     for name, text, bound, kind in GOALS:
         v = values[name]
@@ -77,6 +79,20 @@ def roofline_lines(rf: dict | None) -> list[str]:
     for name, w in rf["windows"].items():
         lines += ["", f"Top kernels, {name} window (us per step, calls per step):", ""]
         lines += [f"- {k['us_per_step']:.0f} us, {k['calls_per_step']:.0f}x `{k['name']}`" for k in w["top_kernels"]]
+    return lines
+
+
+def moe_lines(mo: dict) -> list[str]:
+    if "rows" not in mo:
+        return []
+    sh = mo["shape"]
+    lines = ["", "## Fused MoE", "", f"{sh['experts']} experts top-{sh['top_k']}, hidden {sh['hidden']}, expert "
+             f"intermediate {sh['intermediate']}, {mo['dtype']}; each output checked against the reference first.", "",
+             "| batch | tokens per busy expert | reference us | Triton us | reference / Triton | max abs err | ok |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['tokens_per_busy_expert']:.1f} | {r['reference_us']:.0f} | {r['triton_us']:.0f} | "
+              f"{r['reference_over_triton']:.2f} | {r['max_abs_err']:.3g} | {'yes' if r['ok'] else '**NO**'} |"
+              for r in mo["rows"]]
     return lines
 
 
@@ -136,6 +152,7 @@ def markdown(r: dict) -> str:
             lines.append(f"| {row['batch']} | {row['context']} | {v['us']:.1f} | {d['us']:.1f} | {row['segments']} | "
                          f"{e['us']:.1f} | {e['bytes_per_s']:.3g} | {e['fraction_of_copy']:.0%} | "
                          f"{_num(e['fraction_of_peak'], '{:.0%}')} |")
+    lines += moe_lines(s.get("moe", {}))
     cg = s.get("cudagraphs", {})
     if "rows" in cg:
         lines += ["", "## Eager vs CUDA graphs", "", "| mode | start-up s | capture s | batch | wall ms/step | "
