@@ -16,6 +16,10 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
     if model_flag:  # `serve` takes the model as a positional argument, as `vllm serve` does
         p.add_argument("--model", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    from mini_vllm.models.quantization import QUANTIZATION_METHODS  # torch: only once a parser is built
+
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="8-bit linear weights (default: the checkpoint's quantization_config, else none)")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "cpu"])
     p.add_argument("--block-size", type=int, default=16)
@@ -96,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+    return dict(dtype=args.dtype, quantization=args.quantization, device=args.device,
+                attention_backend=args.attention_backend,
                 block_size=args.block_size, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
