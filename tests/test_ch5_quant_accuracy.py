@@ -98,3 +98,14 @@ def test_engine_fp8_model_holds_fp8_weights():
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn, "quantization='fp8' left the weights unquantized"
     assert bool((qkv.weight_scale == qkv.weight_scale[0]).all()), "fp8 (per tensor): one scale for the merged q|k|v"
+
+
+def test_mismatch_is_refused_before_any_core_starts(tmp_path):
+    """vLLM checks quantization against the checkpoint in the caller's process (ModelConfig): a
+    multiprocess LLM raises the ValueError itself, not an engine core's start-up failure."""
+    ckpt = write_quantized_checkpoint(TARGET, tmp_path / "int8", "int8_per_channel_weight_only")
+    with pytest.raises(ValueError, match=r"quantization='fp8' does not match the checkpoint's "
+                                         r"quantization_config.quant_method 'compressed-tensors'"):
+        LLM(str(ckpt), dtype="bfloat16", quantization="fp8", multiprocess_mode=True, **COMMON)
+    with pytest.raises(ValueError, match=r"dtype torch.float32 is not supported for quantization 'fp8_per_channel'"):
+        LLM(TARGET, dtype="float32", quantization="fp8_per_channel", multiprocess_mode=True, **COMMON)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.models.loader import MODEL_REGISTRY, safetensors_files
+from mini_vllm.models.quantization import quant_config_for_model
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(cls.__name__ for cls in MODEL_REGISTRY.values()))
 
@@ -33,10 +34,11 @@ _INVALID_MODEL = ("Invalid repository ID or local directory specified: '{model}'
                   "   - For Hugging Face models: ensure the presence of a 'config.json'.\n")
 
 
-def check_checkpoint(model: str) -> ModelConfig:
+def check_checkpoint(model: str, quantization: str | None = None, dtype=None) -> ModelConfig:
     """The checkpoint's ModelConfig, or the error vLLM raises for it:
     ValueError (no folder, or no config.json in it; an architecture or model type
-    this engine does not run; a malformed config), RuntimeError (no weights)."""
+    this engine does not run; a malformed config; a `quantization` that contradicts the
+    checkpoint's quantization_config or cannot run `dtype`), RuntimeError (no weights)."""
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(_INVALID_MODEL.format(model=model))
@@ -44,6 +46,8 @@ def check_checkpoint(model: str) -> ModelConfig:
     if cfg.architectures and not set(cfg.architectures) & set(SUPPORTED_ARCHITECTURES):
         raise ValueError(f"Model architectures {cfg.architectures} are not supported for now. "
                          f"Supported architectures: {list(SUPPORTED_ARCHITECTURES)}")
+    if dtype is not None:  # the device only picks activation scales: any will do for the check
+        quant_config_for_model(quantization, cfg.raw, dtype, "cpu", str(path / "config.json"))
     try:
         safetensors_files(path)
     except FileNotFoundError:
