@@ -163,6 +163,11 @@ def _host_features() -> frozenset[str]:
     return _state["features"]
 
 
+def host_has(feature: str) -> bool:
+    """Does this CPU have LLVM's feature `feature` (e.g. "amx-bf16", "avx512bf16")?"""
+    return feature in _host_features()
+
+
 def isa() -> str | None:
     """The build C++ calls take now (see the module docstring), or None: numba's."""
     if _forced_isa:

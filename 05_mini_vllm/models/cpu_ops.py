@@ -69,6 +69,15 @@ Invariants:
   a learner reading the torch path or bisecting a numeric difference; any
   other value is refused at import, naming the allowed ones.
 
+Which matmul (`MINI_VLLM_CPU_LINEAR`): `auto` (the default) takes the C++ kernel where it
+takes the shapes, except for bf16 weights on a CPU with AMX, which take oneDNN with
+weights reordered once for AMX tiles (vLLM's `onednn_mm` on such CPUs: its tile
+instructions do 16 x 32 bf16 products per instruction where VDPBF16PS does 16 x 2);
+then oneDNN where it packs the dtype, then F.linear. `native`, `onednn` and `torch`
+force one path on any CPU (for tests and benchmarks); `onednn` for a dtype oneDNN
+cannot pack here (bf16 on an AVX2-only CPU) raises, naming the variable, rather than
+running something else under that name.
+
 Batch invariance: a row's result from the packed matmul does not depend on
 how many rows share the call (which kernel runs is chosen by the layer and the
 CPU, never by the row count), so a request's logits are the same bits alone or
@@ -104,6 +113,7 @@ import torch
 import torch.nn.functional as F
 
 from mini_vllm.kernels import cpu_layer_ops_native as native_ops
+from mini_vllm.kernels import cpu_native
 
 _CHOICES = ("compiled", "torch")
 CPU_OPS = os.environ.get("MINI_VLLM_CPU_OPS", "compiled")
@@ -125,6 +135,11 @@ def _onednn_bf16_ok() -> bool:
     except (AttributeError, RuntimeError):
         return False
 
+
+_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
+CPU_LINEAR = os.environ.get("MINI_VLLM_CPU_LINEAR", "auto")
+if CPU_LINEAR not in _LINEAR_CHOICES:
+    raise ValueError(f"MINI_VLLM_CPU_LINEAR must be one of {_LINEAR_CHOICES}, got {CPU_LINEAR!r}")
 
 _AVAILABLE = _onednn_ok()
 PRIMITIVE_CACHE_CAPACITY = 8192  # about 4 weight shapes x every row count up to a 2,048-token step
@@ -152,17 +167,43 @@ def _packed_weight(owner, weight: torch.Tensor, native: bool) -> torch.Tensor:
     return cached[1]
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
-    """x @ weight.T (+ bias) on a packed weight: the C++ kernel where it takes the
-    shapes (`native_ops.handles_linear`), else oneDNN where it packs the dtype, else
-    F.linear. Which one depends on the layer and the CPU, never on the number of rows (see
-    Batch invariance above)."""
+_state: dict[str, bool] = {}
+
+
+def has_amx() -> bool:
+    """AMX with bf16 tiles (Intel Sapphire Rapids and later); asked once per process."""
+    if "amx" not in _state:
+        _state["amx"] = cpu_native.host_has("amx-bf16")
+    return _state["amx"]
+
+
+def linear_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """"native", "onednn" or "torch": the matmul a packed linear runs for this layer on
+    this CPU (see `MINI_VLLM_CPU_LINEAR` above); never depends on the number of rows."""
+    onednn = _AVAILABLE and x.dtype in PACKABLE
+    if CPU_LINEAR == "torch":
+        return "torch"
+    if CPU_LINEAR == "onednn":
+        if not onednn:
+            raise RuntimeError(f"MINI_VLLM_CPU_LINEAR=onednn: oneDNN cannot pack a {x.dtype} weight on this CPU "
+                               f"(packs {[str(d) for d in PACKABLE]}); use auto, native or torch")
+        return "onednn"
+    if CPU_LINEAR == "auto" and onednn and x.dtype == torch.bfloat16 and has_amx():
+        return "onednn"
     if native_ops.handles_linear(x, weight):
+        return "native"
+    return "onednn" if onednn and CPU_LINEAR == "auto" else "torch"
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
+    """x @ weight.T (+ bias) on a packed weight, through the matmul `linear_path` names."""
+    path = linear_path(x, weight)
+    if path == "native":
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
         native_ops.linear(rows, _packed_weight(owner, weight, True), None if bias is None else bias.float(), out)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
-    if not (_AVAILABLE and x.dtype in PACKABLE):  # bf16 on an AVX2-only CPU: oneDNN cannot pack it
+    if path == "torch":  # e.g. bf16 on an AVX2-only CPU for a shape the C++ kernel does not take
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(owner, weight, False), bias, "none", [], "")
 
