@@ -123,8 +123,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="decode_misses_own_token",
         path=ATTN,
-        old="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]))\n        out[i] =",
-        new="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]) - 1)\n        out[i] =",
+        old="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]), k_scale, v_scale)\n"
+            "        out[i] =",
+        new="k, v = gather_kv(key_cache, value_cache, block_tables[i], int(seq_lens[i]) - 1, k_scale, v_scale)\n"
+            "        out[i] =",
         tests=TESTS,
         why="decode attends to seq_len - 1 positions, not to the token it just wrote",
     ),
@@ -163,9 +165,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="cpu_gqa_head_mapping_mod",
         path=CPU_KERNEL,
-        old="_widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:])\n"
+        old="_widen_block(key_cache, phys, kvh, keys, fmt, k_tile[c:], k_table)\n"
             "            _widen_block(value_cache, phys, kvh, keys,",
-        new="_widen_block(key_cache, phys, (kvh * group) % key_cache.shape[2], keys, fmt, k_tile[c:])\n"
+        new="_widen_block(key_cache, phys, (kvh * group) % key_cache.shape[2], keys, fmt, k_tile[c:], k_table)\n"
             "            _widen_block(value_cache, phys, (kvh * group) % key_cache.shape[2], keys,",
         tests=CPU_TESTS,
         why="cpu kernel: query head h reads KV head h % num_kv_heads instead of h // group",

@@ -106,8 +106,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="load_writes_key_into_value",
         path=BASE,
-        old="v.index_copy_(0, ids, data[:, layer, 1])",
-        new="v.index_copy_(0, ids, data[:, layer, 0])",
+        old="as_bytes(v).index_copy_(0, ids, as_bytes(data[:, layer, 1]))",
+        new="as_bytes(v).index_copy_(0, ids, as_bytes(data[:, layer, 0]))",
         tests=[ENGINE_B],
         why="a loaded block's keys are written into the value cache: attention reads wrong KV",
     ),
