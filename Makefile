@@ -125,7 +125,7 @@ $(VLLM_STAMP): benchmarks/vllm_setup.py
 
 # The engine against real vLLM, token by token (also part of `make test` once .venv-vllm exists).
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q tests/test_vs_vllm.py tests/test_vs_vllm_moe.py tests/test_vs_vllm_fp8.py tests/test_server_vllm_bench.py
+	$(PY) -m pytest -q tests/test_vs_vllm.py tests/test_vs_vllm_moe.py tests/test_vs_vllm_fp8.py tests/test_vs_vllm_quant.py tests/test_server_vllm_bench.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
