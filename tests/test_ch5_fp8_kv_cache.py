@@ -85,8 +85,8 @@ def test_cpu_kernel_and_torch_backend_agree(fp8_cpu):
 
 def test_triton_backend_agrees_on_a_short_run(fp8_cpu):
     """The Triton kernels (interpreter here): one prompt, a few tokens (the interpreter is slow)."""
-    want = tokens_and_logprobs(fp8_cpu, PROMPTS[:2], 4)
-    got = tokens_and_logprobs(make_llm(kv_cache_dtype="fp8", attention_backend="triton"), PROMPTS[:2], 4)
+    want = tokens_and_logprobs(fp8_cpu, PROMPTS[1:2], 4)
+    got = tokens_and_logprobs(make_llm(kv_cache_dtype="fp8", attention_backend="triton"), PROMPTS[1:2], 4)
     for (ta, la), (tb, lb) in zip(want, got):
         assert ta == tb and max(abs(x - y) for x, y in zip(la, lb)) < 1e-4, "triton backend's fp8 run differs"
 
@@ -134,11 +134,13 @@ def test_parallel_samples_share_fp8_prompt_blocks(fp8_cpu):
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-                                  {"method": "draft_model", "model": "tiny-py-draft", "num_speculative_tokens": 2}],
-                         ids=["ngram", "draft_model"])
+                                  {"method": "draft_model", "model": "tiny-py-draft", "num_speculative_tokens": 2},
+                                  {"method": "eagle", "model": "tiny-py-eagle", "num_speculative_tokens": 3}],
+                         ids=["ngram", "draft_model", "eagle"])
 def test_speculative_decoding_keeps_fp8_tokens(fp8_cpu, spec):
+    """The draft model's and the EAGLE head's own layers write fp8 caches too (with their own scales)."""
     from mini_vllm.course.tiny_models import model_path
-    if spec["method"] == "draft_model":
+    if "model" in spec:
         spec = spec | {"model": str(model_path(spec["model"])), "num_speculative_tokens_per_batch_size": None}
     want = run_greedy(fp8_cpu, PROMPTS, 16)
     llm = make_llm(kv_cache_dtype="fp8", speculative_config=spec)

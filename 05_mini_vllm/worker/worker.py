@@ -197,13 +197,16 @@ class Worker:
                                         compilation_config=self.compilation,
                                         spec_tokens_for_batch=None if cfg.speculative is None
                                         else cfg.speculative.num_tokens_for_batch)
+        # Scales before capture: a captured launch keeps the scale it was captured with.
+        layers = self.kv_scale_layers(proposer)
+        configure_kv_scales(layers, cfg.kv_cache_torch_dtype, calculate=False)
         self.model_runner.capture_model()
         if cfg.speculative is not None and cfg.speculative.num_speculative_tokens_per_batch_size == "auto":
             self._measure_spec_schedule(max_num_seqs)
-        # After the warm-up and measuring steps: computed scales come from the first real step.
-        configure_kv_scales(self.kv_scale_layers(), cfg.kv_cache_torch_dtype, cfg.calculate_kv_scales)
+        if cfg.calculate_kv_scales:  # after the warm-up and measuring steps: from the first real step
+            configure_kv_scales(layers, cfg.kv_cache_torch_dtype, calculate=True)
 
-    def kv_scale_layers(self) -> list:
+    def kv_scale_layers(self, proposer) -> list:
         """Every attention layer that writes an fp8-capable cache of this worker: the target's,
         an EAGLE head's and a draft model's (each has its own k_scale / v_scale)."""
         layers = list(self.model.attention_layers())
@@ -211,8 +214,8 @@ class Worker:
             layers += self.draft_head.attention_layers()
         from mini_vllm.speculative.proposers import DraftModelProposer
 
-        if isinstance(self.model_runner.proposer, DraftModelProposer):
-            layers += self.model_runner.proposer.draft.attention_layers()
+        if isinstance(proposer, DraftModelProposer):
+            layers += proposer.draft.attention_layers()
         return layers
 
     def _measure_spec_schedule(self, max_num_seqs: int) -> None:
