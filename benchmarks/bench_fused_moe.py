@@ -34,7 +34,7 @@ from mini_vllm.models.fused_moe import fused_experts_reference, fused_topk_refer
 
 HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 64, 8
 TOKENS = (1, 4, 16, 64, 512)
-REPEATS = 20
+REPEATS = 10
 
 
 def best(fns, repeats: int) -> list[float]:
@@ -68,7 +68,7 @@ def row(tokens: int, dtype) -> tuple[float, list[float]]:
         assert err <= tol, f"{name} differs from the reference by {err:.3g} > {tol:.3g} ({tokens} tokens, {dtype})"
     per_expert = tokens * TOP_K / ids.unique().numel()
     return per_expert, best([lambda: fused_experts_reference(*args), lambda: grouped_torch(*args),
-                             lambda: fused_experts_cpu(*args)], REPEATS if tokens <= 64 else 5)
+                             lambda: fused_experts_cpu(*args)], REPEATS if tokens <= 64 else 3)
 
 
 def main() -> None:
