@@ -13,7 +13,11 @@ another rank holds it. A "flat id" is f = t * k + j, one (token, slot) pair.
 The three steps:
 1. `moe_align_block_size` sorts the flat ids by expert into segments padded
    to a multiple of BLOCK_M with the sentinel T * k, so every BLOCK_M block
-   of the sorted list belongs to one expert (`expert_ids`, per block);
+   of the sorted list belongs to one expert (`expert_ids`, per block). Two
+   launches of `_align_kernel`, a program per chunk of flat ids: one counts
+   each expert's ids in its chunk, the other places them (a one-hot
+   [chunk, E] prefix sum ranks each id among its expert's; the earlier
+   chunks' counts and the expert's segment start are its base);
 2. `_moe_gemm_kernel`, once per projection: a program owns one block of
    BLOCK_M flat ids and BLOCK_N output columns, gathers the rows it needs
    (token f // k for gate_up, flat row f for down) and multiplies them by its
