@@ -16,6 +16,8 @@ versions in `gpu_check_parts/environment.py`, checked first) and imports
                 the roofline of the engine's own schedule (bytes, FLOPs, floor per step,
                 engine time / floor by phase, a profiler window per phase)
   attention_bw  decode attention bytes/s against the device's peak
+  quant_fp8     FP8 W8A8 linears (fp8_per_channel, torch._scaled_mm) against bf16 F.linear on
+                Qwen3-0.6B's shapes, each product checked against the dequantized reference
   moe           the fused-MoE Triton kernel against the reference loop over experts,
                 Qwen3-30B-A3B's experts in bf16 at batch 1, 64 and 256, checked first
   cudagraphs    eager vs FULL vs PIECEWISE vs FULL_AND_PIECEWISE: start-up, decode step
@@ -43,7 +45,7 @@ from pathlib import Path
 
 from gpu_check_parts import environment
 
-SECTIONS = ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "moe", "step_profile", "memory")
+SECTIONS = ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "moe", "quant_fp8", "step_profile", "memory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,6 +102,8 @@ def checks(sections: dict) -> list[dict]:
         out.append({"name": "FULL CUDA graphs: greedy tokens identical to enforce_eager", "ok": cg["full_identical"]})
     if s.get("moe", {}).get("status") == "ok":
         out.append({"name": "fused-MoE Triton kernel equals the reference loop", "ok": s["moe"]["ok"]})
+    if s.get("quant_fp8", {}).get("status") == "ok":
+        out.append({"name": "FP8 W8A8 linears equal the dequantized reference", "ok": s["quant_fp8"]["ok"]})
     mem = s.get("memory", {})
     if mem.get("status") == "ok":
         out.append({"name": "KV cache sizing stayed within its budget", "ok": bool(mem["within_utilization"])})
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
         print("gpu-check: --device cuda but torch.cuda.is_available() is False "
               f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})", file=sys.stderr)
         return 2
-    from gpu_check_parts import attention_bw, checkpoint, cuda_tests, cudagraphs, memory, moe, step_profile, throughput
+    from gpu_check_parts import (attention_bw, checkpoint, cuda_tests, cudagraphs, memory, moe, quant_fp8,
+                                 step_profile, throughput)
     from gpu_check_parts.plan import free_device_memory, make_plan
 
     plan = make_plan(args.device, args.small, args.budget_s)
@@ -171,6 +176,7 @@ def main(argv=None) -> int:
                 "cudagraphs": lambda: cudagraphs.run(str(model_dir), plan, vocab),
                 "attention_bw": lambda: attention_bw.run(plan, info["name"]),
                 "moe": lambda: moe.run(plan),
+                "quant_fp8": lambda: quant_fp8.run(plan),
                 "step_profile": lambda: step_profile.run(str(model_dir), plan, vocab),
                 "memory": lambda: memory.run(str(model_dir), plan, vocab)}
         for name in order:

@@ -43,7 +43,7 @@ def test_small_cpu_run_fills_every_section(report):
     out, r = report
     plan = make_plan("cpu", small=True)
     assert {n: v["status"] for n, v in r["sections"].items()} == {n: "ok" for n in
-        ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "moe", "step_profile", "memory")}, \
+        ("cuda_tests", "throughput", "cudagraphs", "attention_bw", "moe", "quant_fp8", "step_profile", "memory")}, \
         "a section did not run"
     assert r["checks"] and all(c["ok"] for c in r["checks"]), f"a correctness check failed: {r['checks']}"
     t = r["sections"]["cuda_tests"]
@@ -81,6 +81,12 @@ def test_small_cpu_run_fills_every_section(report):
         row["reference_us"] / row["triton_us"]) for row in mo["rows"]), "the MoE speed ratio is miscomputed"
     assert mo["reference_over_triton_at_goal"] == mo["rows"][plan.moe_batches.index(plan.moe_goal_batch)][
         "reference_over_triton"], "the MoE goal must be judged at the goal batch"
+
+    q = r["sections"]["quant_fp8"]
+    assert [(tuple(row["shape"]), row["batch"]) for row in q["rows"]] == [
+        (s, b) for s in plan.fp8_shapes for b in plan.fp8_batches] and q["ok"] and q["scaled_mm"], \
+        "the FP8 section must check torch._scaled_mm (available on a CPU) at every shape and batch of the plan"
+    assert "## FP8 W8A8 linears" in (out / "report.md").read_text(), "the FP8 table is missing from report.md"
 
     p = r["sections"]["step_profile"]
     assert [q["batch"] for q in p["rows"]] == list(plan.profile_batches)

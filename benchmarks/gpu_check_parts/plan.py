@@ -47,6 +47,10 @@ class Plan:
     moe_batches: tuple[int, ...] = (1, 64, 256)
     moe_goal_batch: int = 256
     moe_iters: int = 10
+    # FP8 W8A8 linears: (K, N) of Qwen3-0.6B's qkv, o, gate_up and down projections, batch sizes
+    fp8_shapes: tuple[tuple[int, int], ...] = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))
+    fp8_batches: tuple[int, ...] = (1, 64, 2048)
+    fp8_iters: int = 20
     # step profile: decode steps at these batch sizes, prompts of profile_prompt_len
     profile_batches: tuple[int, ...] = (1, 8, 64, 256)
     profile_steps: int = 5
@@ -77,6 +81,7 @@ def make_plan(device: str, small: bool, budget_s: float | None = None) -> Plan:
                 hf_continuous_budget_s=30.0, greedy_requests=2, greedy_exact_tokens=4, attn_heads=(4, 2, 16),
                 attn_batches=(1, 2), attn_contexts=(16, 32), attn_goal_shape=(2, 32), attn_iters=1,
                 moe_shape=(32, 16, 8, 2), moe_batches=(1, 4), moe_goal_batch=4, moe_iters=1,
+                fp8_shapes=((32, 64),), fp8_batches=(1, 4), fp8_iters=1,
                 profile_batches=(1, 2), profile_steps=2, profile_prompt_len=8, roofline_profile_steps=2, tests_timeout_s=120.0,
                 deadline_s=300.0)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gpu_check_parts import quant_fp8
+
 # (name, goal text, threshold, "min" or "max") of the issues' goals; judged only on CUDA (`met` is null
 # elsewhere). The goals are written for an H100; an H200 has more bandwidth, so its figures are easier.
 GOALS = [("engine_tok_per_s", "nano-vllm's workload >= 15,000 output tok/s", 15000.0, "min"),
@@ -153,6 +155,7 @@ def markdown(r: dict) -> str:
                          f"{e['us']:.1f} | {e['bytes_per_s']:.3g} | {e['fraction_of_copy']:.0%} | "
                          f"{_num(e['fraction_of_peak'], '{:.0%}')} |")
     lines += moe_lines(s.get("moe", {}))
+    lines += quant_fp8.lines(s.get("quant_fp8", {}))
     cg = s.get("cudagraphs", {})
     if "rows" in cg:
         lines += ["", "## Eager vs CUDA graphs", "", "| mode | start-up s | capture s | batch | wall ms/step | "
