@@ -114,6 +114,18 @@ def load_chapter(chapter: str, impl: str):
     return importlib.import_module(name)
 
 
+@pytest.fixture
+def socket_dir():
+    """A fresh directory for the engine core's ipc:// socket files, short enough for a Unix
+    socket path (107 bytes): pytest's tmp_path under pytest-xdist is too deep for one."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+    path = Path(tempfile.mkdtemp(prefix="mv-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def impl(request) -> str:
     """'reference' or 'exercise', from --impl."""

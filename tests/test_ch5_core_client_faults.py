@@ -124,7 +124,8 @@ def test_a_killed_core_fails_the_waiting_caller_at_once_and_aborts_are_dropped()
         eng.shutdown()
 
 
-def test_no_socket_file_outlives_shutdown(monkeypatch, tmp_path):
+def test_no_socket_file_outlives_shutdown(monkeypatch, socket_dir):
+    tmp_path = socket_dir
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     llm = make_llm(block_size=16, multiprocess_mode=True)
     try:
@@ -137,7 +138,8 @@ def test_no_socket_file_outlives_shutdown(monkeypatch, tmp_path):
     assert not left, f"socket files left after shutdown (ZeroMQ does not remove an ipc file): {left}"
 
 
-def test_the_core_removes_the_socket_files_when_its_front_end_is_killed(tmp_path):
+def test_the_core_removes_the_socket_files_when_its_front_end_is_killed(socket_dir):
+    tmp_path = socket_dir
     r = subprocess.run([sys.executable, str(PROGRAMS / "front_end_killed.py")], capture_output=True, text=True,
                        timeout=HANG_GUARD_S, env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
@@ -149,6 +151,23 @@ def test_the_core_removes_the_socket_files_when_its_front_end_is_killed(tmp_path
     assert not pid_alive(core), "the core kept running after its front end was killed"
     left = sorted(p.name for p in tmp_path.iterdir())
     assert not left, f"socket files left after the front end was killed (the core must remove them): {left}"
+
+
+def test_socket_paths_fit_a_unix_socket(monkeypatch, socket_dir, caplog):
+    """ZeroMQ refuses an ipc:// path past 107 bytes ("File name too long", from the core's
+    thread, after the server had started): a deep TMPDIR must not break the engine."""
+    from mini_vllm.engine.utils import SUN_PATH_MAX, ipc_socket_base
+    name = f"mini-vllm-{os.getpid()}-0123abcd"
+    monkeypatch.setattr(tempfile, "tempdir", str(socket_dir))
+    assert ipc_socket_base(name) == str(socket_dir / name), "a short TMPDIR must hold the sockets"
+    deep = socket_dir / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with caplog.at_level("WARNING", logger="mini_vllm"):
+        base = ipc_socket_base(name)
+    assert len(f"{base}-out".encode()) <= SUN_PATH_MAX and base == f"/tmp/{name}", (
+        f"a TMPDIR too deep for a Unix socket gave {base!r}: the core would fail to bind")
+    assert "too deep for a Unix socket" in caplog.text, "the move to /tmp must be logged"
 
 
 def test_start_method_variable_is_checked(monkeypatch):

@@ -15,12 +15,14 @@ The stream, the /health prober and the big requests each run in a thread of
 their own with a blocking client, so that reading a 6 MB answer here cannot
 delay the timestamps of the other two."""
 import json
+import os
 import threading
 import time
 
 import httpx
 import pytest
 
+from mini_vllm.entrypoints.openai.tokenize_worker import WORKER_NICENESS
 from server_utils import SERVED_NAME, Server, child_processes, pid_alive
 
 BIG = ("def f(x):\n    return x * 2 + 1\n" * 70_000)[:2_000_000]  # 2 MB of code, ~900k tokens
@@ -148,6 +150,10 @@ def test_the_tokenize_worker_ends_with_the_server(server):
     """Last in this file: it stops the module's server (the /tokenize above started the worker)."""
     children = list(child_processes(server.proc.pid))
     assert len(children) >= 2, f"setup: expected the engine core and the /tokenize worker under the server: {children}"
+    nice = {p: os.getpriority(os.PRIO_PROCESS, p) for p in [server.proc.pid, *children]}
+    assert max(nice[p] for p in children) >= nice[server.proc.pid] + WORKER_NICENESS, (
+        f"niceness {nice}: the /tokenize worker runs at the server's priority, so a huge count competes "
+        "with the streams for the cores")
     rc = server.stop()
     for _ in range(100):  # the worker notices its parent's exit within half a second
         if not any(pid_alive(p) for p in children):

@@ -177,11 +177,10 @@ async def _drive(s: Server, core: int, rng: random.Random) -> dict:
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_core_killed_at_random_instant_every_client_answered_and_nothing_left(run, tmp_path):
+def test_core_killed_at_random_instant_every_client_answered_and_nothing_left(run, socket_dir):
     seed = SEED + run
     rng = random.Random(seed)
-    sock_dir = tmp_path / "sockets"
-    sock_dir.mkdir()
+    sock_dir = socket_dir
     s = Server("--timeout-graceful-shutdown", "10", fault=f"step-floor:{STEP_FLOOR_S}",
                env={"TMPDIR": str(sock_dir)})
     try:

@@ -35,7 +35,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import tempfile
 import threading
 import time
 import uuid
@@ -48,8 +47,8 @@ from mini_vllm.engine import (EngineCoreOutputs, EngineCoreOutputType, EngineCor
 from mini_vllm.engine.core import UTILITY_METHODS, EngineCore
 from mini_vllm.engine.core_proc import EngineCoreProc, run_engine_core
 from mini_vllm.engine.exceptions import EngineDeadError
-from mini_vllm.engine.utils import (close_core, get_mp_context, monitor_core_process, receive_outputs,
-                                    run_core_thread, spawn_hint)
+from mini_vllm.engine.utils import (close_core, get_mp_context, ipc_socket_base, monitor_core_process,
+                                    receive_outputs, run_core_thread, spawn_hint)
 from mini_vllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("mini_vllm")
@@ -108,7 +107,7 @@ class MPClient:
         if in_thread:
             in_addr, out_addr = f"inproc://{name}-in", f"inproc://{name}-out"
         else:
-            base = os.path.join(tempfile.gettempdir(), name)
+            base = ipc_socket_base(name)
             self._socket_files = [f"{base}-in", f"{base}-out"]
             in_addr, out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self.encoder = MsgpackEncoder()

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tempfile
 import threading
 
 import zmq
@@ -38,6 +39,26 @@ logger = logging.getLogger("mini_vllm")
 # How long a dead core's DEAD message (its cause) may still take to be read once its
 # process has exited: the core flushes it before it exits, so it is already here.
 DEAD_GRACE_S = 0.25
+# A Unix socket's path must fit sockaddr_un.sun_path: 108 bytes with the terminating NUL.
+SUN_PATH_MAX = 107
+SHORT_SOCKET_DIR = "/tmp"
+
+
+def ipc_socket_base(name: str) -> str:
+    """The path prefix of the core's two ipc:// sockets (`<base>-in`, `<base>-out`): in the
+    temporary directory (TMPDIR), unless that is too deep for a Unix socket's 107 bytes
+    (a pytest tmp_path, a nested CI workspace), then in /tmp with a warning; where neither
+    fits, an error naming TMPDIR, instead of ZeroMQ's "File name too long" from the core."""
+    for folder in (tempfile.gettempdir(), SHORT_SOCKET_DIR):
+        base = os.path.join(folder, name)
+        if len(f"{base}-out".encode()) <= SUN_PATH_MAX and os.access(folder, os.W_OK):
+            if folder == SHORT_SOCKET_DIR and folder != tempfile.gettempdir():
+                logger.warning("the temporary directory %s is too deep for a Unix socket path (%d bytes at most); "
+                               "the engine core's sockets go to %s", tempfile.gettempdir(), SUN_PATH_MAX, folder)
+            return base
+    raise ValueError(f"the engine core's socket path {os.path.join(tempfile.gettempdir(), name)}-out is longer than "
+                     f"the {SUN_PATH_MAX} bytes a Unix socket takes, and {SHORT_SOCKET_DIR} is not writable: "
+                     "set TMPDIR to a shorter directory")
 MP_METHOD_ENV = "MINI_VLLM_WORKER_MULTIPROC_METHOD"
 _MP_METHODS = ("fork", "spawn", "forkserver")
 

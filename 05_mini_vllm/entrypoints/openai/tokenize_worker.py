@@ -16,7 +16,10 @@ Invariants:
 - it exits when the server process is gone (SIGKILL included), within
   _PARENT_POLL_S, and at the server's shutdown;
 - its answers are those of the server's own tokenizer: the same folder, the
-  same chat template.
+  same chat template;
+- it runs at a lower CPU priority (nice WORKER_NICENESS): counting a huge text
+  may take seconds of a core, and on a machine with fewer free cores than busy
+  processes the streams being served come first.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 _PARENT_POLL_S = 0.5
+WORKER_NICENESS = 10
 _worker: dict = {}  # in the worker process: the tokenizer and the chat template
 
 
@@ -40,6 +44,7 @@ def _init(tokenizer_path: str, chat_template: str | None, parent_pid: int) -> No
     from mini_vllm.engine.processor import load_tokenizer
 
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    os.nice(WORKER_NICENESS)  # relative to the server's: never above it
     _worker["tok"], _worker["template"] = load_tokenizer(tokenizer_path), chat_template
 
 
