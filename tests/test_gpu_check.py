@@ -34,7 +34,7 @@ def report(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(out),
                            "--device", "cpu", "--small"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=1800)  # a hang guard: the run takes 2 minutes on one free core
     assert proc.returncode == 0, f"gpu_check --device cpu --small failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out, json.loads((out / "report.json").read_text())
 
