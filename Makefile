@@ -40,14 +40,18 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m mini_vllm.demo
 
 # The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks;
-# the 25 slowest tests are listed at the end (where `make test`'s time goes).
+# the 25 slowest tests are listed at the end (where `make test`'s time goes). pytest-xdist runs
+# one worker per core (TEST_WORKERS=1 for one process); a file's tests stay on one worker
+# (--dist loadfile), so that its module fixtures (engines, servers) are built once.
+TEST_WORKERS ?= auto
+TEST_XDIST   := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP)
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q --durations=25 tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
+	$(PY) -m pytest -q $(TEST_XDIST) --durations=25 tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
 	echo "make test wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(TEST_XDIST) tests
 
 # Mutation testing (not part of `make test`): plants classic mistakes in the
 # reference one at a time and checks that each chapter's tests catch every one.
