@@ -12,7 +12,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lab bench models editor-model eagle-model mutants vllm test-vllm clean FORCE
+.PHONY: install demo test test-fast notebooks lab bench models editor-model eagle-model mutants vllm test-vllm clean FORCE
 
 install: $(LINKS)
 
@@ -57,6 +57,13 @@ test-fast: $(STAMP)
 # reference one at a time and checks that each chapter's tests catch every one.
 mutants: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m mutants
+
+# Runs every notebook top to bottom in one kernel and stores its outputs (tables, plots), so that
+# a reader of the repository sees them; `make test` executes the same notebooks (nbmake) and
+# tests/test_notebook_outputs.py checks that each is stored executed in order.
+notebooks: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=600 $(or $(NB),$(NOTEBOOKS))
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=.
