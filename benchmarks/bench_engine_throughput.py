@@ -48,11 +48,13 @@ that CPU only.
 After the timed runs at each thread count, the workload runs once more in process with
 every step recorded and is set against this machine's read floor (`cpu_floor.py`: weights
 and KV bytes over the measured read bandwidth), printed as the fraction of the floor
-reached, whole run and decode steps by batch size (`--no-floor` leaves it out).
+reached, whole run and decode steps by batch size (`--no-floor` leaves it out). `--record`
+appends each thread count's ratio to the machine matrix (`machine_matrix.py`: the JSON file
+and the README's table).
 
 Run: .venv/bin/python benchmarks/bench_engine_throughput.py [--model tiny|qwen3-0.6b]
      [--threads 1,2] [--runs 3] [--num-requests N] [--hf-batch-sizes 1,8,32]
-     [--skip-baselines] [--no-vllm] [--no-floor] [--modes process,inproc,process-async,inproc-async]
+     [--skip-baselines] [--no-vllm] [--no-floor] [--record] [--modes process,inproc,process-async,inproc-async]
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ import time
 import torch
 
 import cpu_floor
+import machine_matrix
 from engine_workloads import qwen3_06b_checkpoint, sample_requests
 from machine import machine_line
 from mini_vllm import LLM, SamplingParams
@@ -77,6 +80,7 @@ GOAL = 3.0
 SETTINGS = dict(block_size=32, kv_cache_memory_bytes=1 << 30, max_num_seqs=128, max_num_batched_tokens=2048,
                 enable_prefix_caching=False)
 CHECKED = 64  # requests compared with logprobs (near-tie rule) before timing
+WORKLOAD_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # the machine matrix's workload names
 
 
 class Workload:
@@ -273,6 +277,8 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--modes", default="process", help=f"comma-separated, of {list(MODES)}")
     ap.add_argument("--no-floor", action="store_true", help="no read-floor run (cpu_floor.py) per thread count")
+    ap.add_argument("--record", action="store_true",
+                    help="append each thread count's ratio to the machine matrix (machine_matrix.py) and the README")
     args = ap.parse_args()
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
@@ -285,7 +291,8 @@ def main() -> None:
         hf_sizes = []  # HF baselines are the tiny workload's
     reqs = sample_requests(args.num_requests or wl.num_requests, wl.in_range, wl.out_range, seed=0)
     useful = sum(m for _, m in reqs)
-    print(machine_line(threads))
+    machine = machine_line(threads)
+    print(machine)
     print(f"{wl.name} ({wl.dtype}): {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
           f"{useful} output tokens; both engines: {wl.settings}")
     for bs in hf_sizes:
@@ -322,6 +329,12 @@ def main() -> None:
             llm.shutdown()
     if ratios:
         print("\nmini-vLLM / vLLM output tok/s: " + ", ".join(f"{r:.2f}x at {n} thread(s)" for n, r in ratios.items()))
+    if ratios and args.record:
+        machine_matrix.record([{"date": time.strftime("%Y-%m-%d"), "machine": machine,
+                                "workload": f"{wl.name} {WORKLOAD_DTYPES[wl.dtype]}", "threads": n,
+                                "ratio": round(r, 3), "runs": args.runs,
+                                "source": f"bench_engine_throughput.py --modes {modes[0]}"} for n, r in ratios.items()])
+        print(f"recorded in {machine_matrix.MATRIX.name} and the README's machine matrix")
 
 
 if __name__ == "__main__":
