@@ -186,3 +186,13 @@ def test_bad_checkpoint_scale_is_refused(tmp_path):
     save_file({"model.layers.0.self_attn.k_scale": torch.ones(2)}, str(ckpt / "kv_scales.safetensors"))
     with pytest.raises(ValueError, match="must hold one value"):
         make_llm(str(ckpt), kv_cache_dtype="fp8")
+
+
+def test_cli_passes_kv_cache_dtype_and_refuses_others():
+    from mini_vllm.entrypoints.cli import _engine_kwargs, build_parser
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--kv-cache-dtype", "fp8_e5m2",
+                                      "--calculate-kv-scales"])
+    kw = _engine_kwargs(args)
+    assert (kw["kv_cache_dtype"], kw["calculate_kv_scales"]) == ("fp8_e5m2", True), "the CLI dropped the KV options"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--kv-cache-dtype", "int8"])

@@ -20,6 +20,12 @@ def _add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> Non
 
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="8-bit linear weights (default: the checkpoint's quantization_config, else none)")
+    from mini_vllm.kernels.kv_cache_dtype import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: per-layer scales from the first prefill (default: checkpoint's, else 1.0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "cpu"])
     p.add_argument("--block-size", type=int, default=16)
@@ -100,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, quantization=args.quantization, device=args.device,
+    return dict(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                calculate_kv_scales=args.calculate_kv_scales, device=args.device,
                 attention_backend=args.attention_backend,
                 block_size=args.block_size, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
