@@ -192,12 +192,21 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="history_read_before_settling",
-        path="05_mini_vllm/worker/async_output.py",
-        old="    if not isinstance(params, SamplingParams):  # a Chapter 3 scheduler's own params: stop rules only",
-        new="    if True:",
+        path="05_mini_vllm/sample/param_effects.py",
+        old="    return isinstance(params, SamplingParams) and uses_any(params, _HISTORY_FIELDS)",
+        new="    return False",
         tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
         why="a penalised request's step is prepared before the pending tokens are settled: penalties and "
             "grammars miss the latest token",
+    ),
+    Mutant(
+        name="drafts_for_a_parameter_the_verifier_does_not_rebuild",
+        path="05_mini_vllm/sample/param_effects.py",
+        old='    "min_p": _NO_DRAFTS, "logit_bias": _NO_DRAFTS,',
+        new='    "min_p": _PLAIN, "logit_bias": _NO_DRAFTS,',
+        tests=["tests/test_ch5_sampling_params.py::test_param_effects_drive_drafts_and_history"],
+        why="min_p requests get drafts, but verification rebuilds only temperature, top-k and top-p: drafts are "
+            "judged under a distribution min_p would have cut, so speculation is no longer lossless for them",
     ),
     Mutant(
         name="every_step_waits_for_the_last_tokens",
