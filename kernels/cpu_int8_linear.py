@@ -24,8 +24,8 @@ A kernel that widens a weight block once into registers and applies it to severa
 `csrc/cpu_gemm.h` does for bf16) is what 16 rows and prefills would need.
 
 Layout and loops: the weight stays row-major [N, K] (one output per row). The outputs are
-taken in blocks of `ROWS_PER_BLOCK` weight rows, spread over the threads (a prange, torch's
-thread count as in `cpu_layer_ops.py`); for each row of x, one pass over k loads x[m, k] once
+taken in blocks of `ROWS_PER_BLOCK` weight rows, split into torch's thread count of ranges
+(Python threads around a GIL-free compiled loop; see `_int8_linear_kernel`); for each row of x, one pass over k loads x[m, k] once
 and the block's four int8 weights, widened to fp32 in registers, into four vector
 accumulators (LLVM vectorises the k loop). The block's 4 x K bytes stay in L1 while the rows
 of x pass, so a prefill reads the weight from memory once.
@@ -41,23 +41,23 @@ Invariants:
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
-from numba import njit, prange
-
-from .cpu_runtime import use_torch_threads
+from numba import njit
 
 ROWS_PER_BLOCK = 4  # weight rows per pass over x: four accumulators share each load of x
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _int8_linear_kernel(x, q, scale, out):  # pragma: no cover - compiled
+@njit(cache=True, nogil=True, fastmath=True)
+def _int8_linear_rows(x, q, scale, out, n_begin, n_end):  # pragma: no cover - compiled
+    """Outputs [n_begin, n_end) of every row of x; n_begin a multiple of ROWS_PER_BLOCK."""
     m_rows, k = x.shape
-    n = q.shape[0]
-    full = n // ROWS_PER_BLOCK
-    for b in prange(full):
-        n0 = b * ROWS_PER_BLOCK
+    full_end = n_begin + (n_end - n_begin) // ROWS_PER_BLOCK * ROWS_PER_BLOCK
+    for n0 in range(n_begin, full_end, ROWS_PER_BLOCK):
         for m in range(m_rows):  # the block's 4 weight rows (4 x K bytes) stay in L1 across the rows of x
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
@@ -73,12 +73,35 @@ def _int8_linear_kernel(x, q, scale, out):  # pragma: no cover - compiled
             out[m, n0 + 1] = a1 * scale[n0 + 1]
             out[m, n0 + 2] = a2 * scale[n0 + 2]
             out[m, n0 + 3] = a3 * scale[n0 + 3]
-    for r in range(full * ROWS_PER_BLOCK, n):  # the last N % 4 rows
+    for r in range(full_end, n_end):  # the last N % 4 rows
         for m in range(m_rows):
             acc = np.float32(0.0)
             for j in range(k):
                 acc += x[m, j] * np.float32(q[r, j])
             out[m, r] = acc * scale[r]
+
+
+_POOL: list[ThreadPoolExecutor] = []  # made on the first call with more than one thread
+
+
+def _int8_linear_kernel(x, q, scale, out) -> None:
+    """All outputs, split into torch.get_num_threads() ranges of whole blocks run on Python
+    threads (the compiled loop releases the GIL). Not a numba prange: in an engine core forked
+    from a process that used GNU OpenMP, numba's OpenMP layer refuses to start a parallel
+    region ("fork() called from a process already using GNU OpenMP") and leaves the output
+    unwritten; plain threads are safe there."""
+    n = q.shape[0]
+    threads = min(torch.get_num_threads(), max(1, n // (64 * ROWS_PER_BLOCK)))
+    if threads == 1:
+        _int8_linear_rows(x, q, scale, out, 0, n)
+        return
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="int8_linear"))
+    step = -(-n // threads // ROWS_PER_BLOCK) * ROWS_PER_BLOCK
+    jobs = [_POOL[0].submit(_int8_linear_rows, x, q, scale, out, b, min(b + step, n)) for b in range(step, n, step)]
+    _int8_linear_rows(x, q, scale, out, 0, min(step, n))
+    for job in jobs:
+        job.result()
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -122,7 +145,6 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         raise ValueError("q must be contiguous (row-major [N, K])")
     xf = rows.float().contiguous()  # bf16 rows widened once: a decode's x is a few KB
     out = torch.empty((rows.shape[0], q.shape[0]), dtype=torch.float32)
-    use_torch_threads()
     _int8_linear_kernel(xf.numpy(), q.numpy(), scale.numpy(), out.numpy())
     if bias is not None:
         out += bias.float()

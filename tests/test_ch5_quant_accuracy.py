@@ -78,6 +78,16 @@ def _generate(model: str, **kw):
             for o in outs]
 
 
+def test_int8_engine_core_in_its_own_process_equals_in_process():
+    """The core forked from this process (which has used GNU OpenMP): the int8 kernel must run there
+    too. A numba parallel region refuses to start in such a child and left the output unwritten
+    (garbage logits, top-1 agreement 0)."""
+    q = "int8_per_channel_weight_only"
+    in_process = _generate(TARGET, quantization=q)  # first: this process runs its kernels before the fork
+    assert _generate(TARGET, quantization=q, multiprocess_mode=True) == in_process, (
+        "the int8 engine computes otherwise in a forked engine core than in process")
+
+
 @pytest.mark.parametrize("scheme", ["fp8_per_channel", "int8_per_channel_weight_only"])
 def test_engine_on_quantized_checkpoint_equals_online_quantization(tmp_path, scheme):
     """Through LLM: the checkpoint's quantization_config is read without any argument, and its
