@@ -89,7 +89,8 @@ def tree_path(rel: str, dirs: dict[str, str]) -> str:
 
 def build_tree(dest: Path, repo: Path = REPO) -> dict[str, str]:
     """Copy the package (as installed), tests/, training/ (whose plain-PyTorch EAGLE head is
-    an oracle of tests/test_ch5_eagle.py) and pyproject.toml into `dest`."""
+    an oracle of tests/test_ch5_eagle.py), benchmarks/ (scripts some tests measure with)
+    and pyproject.toml into `dest`."""
     dirs = package_dirs(repo)
     ignore = shutil.ignore_patterns("__pycache__", "*.ipynb", ".ipynb_checkpoints", "*.pyc")
     # Parents before children, so a nested mapping (mini_vllm.models) lands inside its parent.
@@ -98,6 +99,9 @@ def build_tree(dest: Path, repo: Path = REPO) -> dict[str, str]:
             shutil.copytree(repo / src, dest / pkg.replace(".", "/"), ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(repo / "tests", dest / "tests", ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(repo / "training", dest / "training", ignore=ignore, dirs_exist_ok=True)
+    # Tests that measure against a benchmark's own script import it (the accuracy tests).
+    shutil.copytree(repo / "benchmarks", dest / "benchmarks", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "gpu_reports"))
     shutil.copy2(repo / "pyproject.toml", dest / "pyproject.toml")
     return dirs
 
