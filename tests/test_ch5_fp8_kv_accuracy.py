@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from fp8_kv_accuracy import measure  # noqa: E402
+from accuracy_checks import check_thresholds, measure_table  # noqa: E402
 
 from mini_vllm.course.tiny_models import model_path  # noqa: E402
 
@@ -40,23 +41,12 @@ THRESHOLDS = {
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        modes = [m for d, m in THRESHOLDS if d == dtype]
-        for mode, r in measure(TARGET, dtype, modes, windows=4, seq=256, prompts=8, gen_tokens=24).items():
-            out[(dtype, mode)] = r
-    return out
+    return measure_table(measure, TARGET, THRESHOLDS)
 
 
 @pytest.mark.parametrize("dtype,mode", list(THRESHOLDS), ids=[f"{d}-{m}" for d, m in THRESHOLDS])
 def test_accuracy_against_the_unquantized_cache(measured, dtype, mode):
-    r = measured[(dtype, mode)]
-    greedy, top1, gap, ppl = THRESHOLDS[(dtype, mode)]
-    report = ", ".join(f"{k}={v:.4f}" for k, v in r.items())
-    assert r["greedy_agreement"] >= greedy, f"{mode}: greedy continuations diverge early ({report})"
-    assert r["top1_agreement"] >= top1, f"{mode}: teacher-forced top-1 tokens disagree too often ({report})"
-    assert r["top1_logprob_gap"] <= gap, f"{mode}: a top-1 logprob moved too far ({report})"
-    assert r["ppl"] / r["ppl_ref"] <= ppl, f"{mode}: held-out perplexity grew too much ({report})"
+    check_thresholds(measured[(dtype, mode)], mode, THRESHOLDS[(dtype, mode)])
 
 
 def test_e4m3_is_closer_than_e5m2(measured):
