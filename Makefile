@@ -12,7 +12,7 @@ NOTEBOOKS := $(sort $(wildcard 0*/*.ipynb))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast notebooks lab bench models editor-model eagle-model mutants vllm test-vllm clean FORCE
+.PHONY: install demo test test-costs test-fast notebooks lab bench models editor-model eagle-model mutants vllm test-vllm clean FORCE
 
 install: $(LINKS)
 
@@ -42,13 +42,18 @@ demo: $(STAMP)
 # The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks;
 # the 25 slowest tests are listed at the end (where `make test`'s time goes). pytest-xdist runs
 # one worker per core (TEST_WORKERS=1 for one process); a file's tests stay on one worker
-# (--dist loadfile), so that its module fixtures (engines, servers) are built once.
+# (--dist loadfile), so that its module fixtures (engines, servers) are built once. Files go
+# out longest first, by the costs in tests/file_costs.json (tests/file_costs.py explains;
+# `make test-costs` measures them again).
 TEST_WORKERS ?= auto
-TEST_XDIST   := -n $(TEST_WORKERS) --dist loadfile
+TEST_XDIST   := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q $(TEST_XDIST) --durations=25 tests $(if $(NOTEBOOKS),--nbmake --nbmake-timeout=600 $(NOTEBOOKS)); rc=$$?; \
 	echo "make test wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-costs: $(STAMP)
+	MINI_VLLM_RECORD_TEST_COSTS=tests/file_costs.json $(MAKE) test
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(TEST_XDIST) tests

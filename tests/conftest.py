@@ -27,6 +27,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
+from file_costs import load_costs, order_by_cost, recorder_from_env  # noqa: E402
+
 # Hypothesis profiles. `ci` keeps `make test` fast; `thorough` is for a long soak:
 #   HYPOTHESIS_PROFILE=thorough make test-fast
 settings.register_profile(
@@ -74,6 +76,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    recorder = recorder_from_env()
+    if recorder is not None:
+        config.pluginmanager.register(recorder, "file-costs-recorder")
     # An exercise run must be reproducible: unless a profile was asked for
     # explicitly, use the derandomized one (before any test module is collected).
     if config.getoption("--impl") == "exercise" and "HYPOTHESIS_PROFILE" not in os.environ:
@@ -89,6 +94,11 @@ def pytest_collection_modifyitems(config, items):
         if not all(uses):
             config.hook.pytest_deselected(items=[item for item, u in zip(items, uses) if not u])
             items[:] = [item for item, u in zip(items, uses) if u]
+    # Under pytest-xdist (`make test`): the longest files first, so that both workers
+    # finish together (tests/file_costs.py).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order_by_cost(items, load_costs())
+        return
     # Hand-built example tests first (stable sort): with -x, the first failure
     # is then a small case whose message names the mistake.
     items.sort(key=lambda item: 0 if item.path.name.endswith("_examples.py") else 1)
