@@ -207,6 +207,9 @@ def rejection_sample(
 
 def rejection_sample_triton_checked(*args) -> torch.Tensor:
     """The Triton kernel (`mini_vllm.kernels.rejection_sampler`) after the same input checks."""
+    from mini_vllm.kernels import prepare_triton
+
+    prepare_triton()  # without CUDA: Triton's interpreter, selected before triton is imported
     from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
 
     validate_rejection_inputs(*args)

@@ -12,8 +12,10 @@ import time
 
 import torch
 
-import mini_vllm.kernels  # noqa: F401  (selects the interpreter without CUDA)
-from mini_vllm.kernels.rejection_sampler import rejection_sample_triton
+from mini_vllm.kernels import prepare_triton
+
+prepare_triton()  # without CUDA: Triton's interpreter, selected before triton is imported
+from mini_vllm.kernels.rejection_sampler import rejection_sample_triton  # noqa: E402
 from mini_vllm.spec_decode import propose_ngram, rejection_sample, rejection_sample_reference, validate_rejection_inputs
 from mini_vllm.spec_decode.random_draws import random_verify_batch
 

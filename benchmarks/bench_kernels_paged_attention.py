@@ -28,8 +28,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.kernels import paged_attention as triton_pa
 from mini_vllm import paged_attention as ref_pa
+from mini_vllm.kernels import prepare_triton
+
+prepare_triton()  # without CUDA: Triton's interpreter, selected before triton is imported
+from mini_vllm.kernels import paged_attention as triton_pa  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

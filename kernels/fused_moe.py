@@ -44,11 +44,14 @@ read topk_ids' range back): the grid is sized for the worst-case padding.
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
+
+from .triton_setup import interpreting, require_triton_mode
+
+require_triton_mode(__name__)  # before triton is first imported: see triton_setup.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from mini_vllm.kernels.fused_moe_checks import check_expert_ids, check_fused_experts_args
 
@@ -199,10 +202,6 @@ def _moe_sum_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.const
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _block_m(numel: int, num_experts: int) -> int:
     # BLOCK_M near the mean rows per expert: decode batches waste little padding,
     # prefills get bigger tiles (vLLM's default config does the same by batch).
@@ -244,7 +243,7 @@ def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if numel == 0:
         return out
     sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, num_experts, expert_map)
-    native = hidden.dtype != torch.float32 and not _interpreting()
+    native = hidden.dtype != torch.float32 and not interpreting()
     weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
     act = torch.empty(numel, inter, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(hidden, w13, act, weights, sorted_ids, expert_ids, ntpp, inter, top_k, True, False,

@@ -38,11 +38,14 @@ back (a handful of vectorised reads per call, no per-sequence `.item()`).
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
+
+from .triton_setup import interpreting, require_triton_mode
+
+require_triton_mode(__name__)  # before triton is first imported: see triton_setup.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from .kv_cache_dtype import is_fp8
 from .paged_checks import check_cu_seqlens_q, check_paged_attention_args
@@ -183,14 +186,10 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def native_dot(query) -> bool:
     """Feed the tensor cores the query's 16-bit dtype (a cache in that dtype, or an fp8
     cache dequantised to it); fp32 IEEE dots otherwise and always under the interpreter."""
-    return query.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    return query.dtype in (torch.float16, torch.bfloat16) and not interpreting()
 
 
 def _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode,

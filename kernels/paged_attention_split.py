@@ -44,8 +44,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_setup import require_triton_mode
+
+require_triton_mode(__name__)  # before triton is first imported: see triton_setup.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from .paged_attention import BLOCK_N as _BLOCK_N
 from .kv_cache_dtype import is_fp8

@@ -22,8 +22,13 @@ denormal residual's ratio from rounding to 0 (see the PyTorch module).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_setup import require_triton_mode
+
+require_triton_mode(__name__)  # before triton is first imported: see triton_setup.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 PLACEHOLDER_TOKEN_ID = -1
 # Same value as `mini_vllm.spec_decode.rejection_sampler.RESIDUAL_SCALE`

@@ -21,8 +21,13 @@ everywhere.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_setup import require_triton_mode
+
+require_triton_mode(__name__)  # before triton is first imported: see triton_setup.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from .kv_cache_dtype import is_fp8
 from .paged_checks import check_reshape_and_cache_args

@@ -24,7 +24,7 @@ from mini_vllm.course.tiny_models import model_path
 
 ATOL = 1e-4
 # "triton" runs compiled on CUDA, and in Triton's interpreter (tests/conftest.py
-# sets TRITON_INTERPRET=1) on the CPU, so both backends are checked everywhere.
+# sets TRITON_INTERPRET=1; outside the tests, kernels.prepare_triton) on the CPU, so both backends are checked everywhere.
 BACKENDS = ["torch", "triton"]
 
 

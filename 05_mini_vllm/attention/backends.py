@@ -79,13 +79,14 @@ class TritonAttentionBackend:
     # A pure-decode step's launches depend only on tensor shapes: a FULL graph may hold them.
     full_cudagraph_support = True
 
+    def __init__(self) -> None:
+        # Chosen: import the kernels now (on a CPU, selecting Triton's interpreter), before
+        # torch.compile may import triton for inductor, after which the interpreter cannot be chosen.
+        _kernels()
+
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0):
-        # Imported lazily: importing triton is slow and the torch backend never needs it.
-        from mini_vllm.kernels.paged_attention import paged_attention_unchecked
-        from mini_vllm.kernels.paged_attention_split import num_segments_for, split_kv_launch
-        from mini_vllm.kernels.reshape_and_cache import reshape_and_cache_unchecked
-
+        paged_attention_unchecked, num_segments_for, split_kv_launch, reshape_and_cache_unchecked = _kernels()
         # The step's metadata is checked once (the first layer; the runner usually did it
         # already): the kernels' own argument checks read index tensors back to the host,
         # and 5-7 such waits per layer kept a GPU idle most of a decode step.
@@ -105,8 +106,23 @@ class TritonAttentionBackend:
 
 
 @functools.lru_cache(maxsize=None)
+def _kernels():
+    """The Triton backend's kernels, imported on first use: importing triton is slow and the
+    other backends never need it; without CUDA, Triton's interpreter is selected first."""
+    from mini_vllm.kernels import prepare_triton
+
+    prepare_triton()
+    from mini_vllm.kernels.paged_attention import paged_attention_unchecked
+    from mini_vllm.kernels.paged_attention_split import num_segments_for, split_kv_launch
+    from mini_vllm.kernels.reshape_and_cache import reshape_and_cache_unchecked
+
+    return paged_attention_unchecked, num_segments_for, split_kv_launch, reshape_and_cache_unchecked
+
+
+@functools.lru_cache(maxsize=None)
 def _parallelism(device: torch.device) -> int:
     """The device's SM count (cores on a CPU), asked once: a property query per layer costs host time."""
+    _kernels()
     from mini_vllm.kernels.paged_attention_split import device_parallelism
 
     return device_parallelism(device)

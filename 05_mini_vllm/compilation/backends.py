@@ -56,8 +56,14 @@ PieceWrapper = Callable[[Callable, int, int], Callable]
 
 
 def inductor_cache_dir() -> str:
-    """Where inductor caches compiled code; set to a stable default when the user has not."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    """Where inductor caches compiled code; set to a stable default when the user has not.
+    Called when a model is compiled, not on import. Importing `torch._inductor` writes its own
+    /tmp default into the environment, so that value counts as unset too (a user who sets
+    exactly it gets ours)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "mini_vllm" / "torch_compile")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

@@ -42,6 +42,9 @@ def moe_impl() -> str:
 
 
 def _triton_experts():
+    from mini_vllm.kernels import prepare_triton
+
+    prepare_triton()  # without CUDA: Triton's interpreter, selected before triton is imported
     from mini_vllm.kernels.fused_moe import fused_experts_triton
     return fused_experts_triton
 
