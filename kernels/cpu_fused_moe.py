@@ -7,19 +7,22 @@ grouped GEMM on weights packed once at load time).
 Same contract as `mini_vllm.models.fused_moe.fused_experts_reference`
 (shapes, expert_map, fp32 accumulation, output in hidden's dtype).
 
-How: the (token, slot) pairs are sorted by local expert once (a stable
-argsort), the hidden rows gathered once into that order, and each expert
-with tokens runs gate_up, SiLU-and-mul and down on its contiguous slice;
-the rows are then weighted in fp32, put back in pair order and summed per
-token. The reference instead searches all E experts for their tokens
-(E `nonzero` calls even when k of them are busy, as in a decode step) and
-scatter-adds per expert.
+How (C++, where `cpu_layer_ops_native.handles_linear` takes both weights: N a multiple
+of 32, even K in bf16; AVX2 with FMA or AVX-512): one call per layer,
+`cpu_fused_moe_native.fused_experts` (csrc/cpu_moe.h). It sorts the (token, slot) pairs
+by local expert (a stable counting sort), gathers the hidden rows once into that order,
+runs gate_up, SiLU-and-mul and down for every expert with tokens on its weights packed
+once (`_packed`, the layout of csrc/cpu_gemm.h), and sums each token's rows weighted in
+fp32, all (expert, panel) items of the layer in one parallel region. Before it, a decode
+step made two C++ calls per busy expert from a Python loop, and with two threads woke the
+thread team for each: 0.65x vLLM's speed on bench_moe_vs_vllm.py.
 
-The products run on the C++ GEMM of `csrc/cpu_gemm.h` (`cpu_layer_ops_native.linear`)
-where it takes the shapes (N a multiple of 32, even K in bf16; AVX2 with FMA or
-AVX-512) on each expert's weight packed once, else `F.linear`. On an AVX2 CPU
-that matters most for bf16: torch's bf16 matmul there is slow, the C++ kernel
-widens the packed bf16 weight in registers and accumulates in fp32.
+Elsewhere (`_experts_f_linear`): the same sort with torch (a stable argsort), then per
+expert with tokens F.linear on its contiguous slice, the rows weighted in fp32, put back
+in pair order and summed per token. On an AVX2 CPU the C++ path matters most for bf16:
+torch's bf16 matmul there is slow, the C++ GEMM widens the packed bf16 weight in
+registers and accumulates in fp32. The reference instead searches all E experts for
+their tokens (E `nonzero` calls even when k of them are busy) and scatter-adds per expert.
 
 Invariants:
 * pairs with topk_ids -1, or whose expert expert_map marks -1, are never
@@ -29,7 +32,8 @@ Invariants:
   it is never read stale; a weight without a version counter (created under
   `torch.inference_mode`) or with autograd to record is not packed;
 * which GEMM runs depends on the weights' shape, dtype and the CPU, never on
-  the number of tokens.
+  the number of tokens; the C++ path's bits depend neither on the thread count
+  nor on the other tokens' routing.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.kernels import cpu_layer_ops, cpu_layer_ops_native as native_ops
+from mini_vllm.kernels import cpu_fused_moe_native as native_moe, cpu_layer_ops_native as native_ops
 from mini_vllm.kernels.fused_moe_checks import check_fused_experts_args
 
 CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -73,6 +77,17 @@ def fused_experts_cpu(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if hidden.device.type != "cpu" or hidden.dtype not in CPU_DTYPES:
         raise ValueError(f"the CPU path takes CPU tensors in float32 or bfloat16, got hidden "
                          f"{hidden.dtype} on {hidden.device}")
+    native = _packable(hidden, w13) and _packable(hidden, w2)
+    if native:
+        out = torch.empty(hidden.shape, dtype=hidden.dtype)
+        native_moe.fused_experts(hidden, _packed(w13), _packed(w2), topk_weights, topk_ids, expert_map, out)
+        return out
+    return _experts_f_linear(hidden, w13, w2, topk_weights, topk_ids, expert_map)
+
+
+def _experts_f_linear(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """The same computation on F.linear, for the shapes and CPUs the C++ GEMM does not take."""
     num_tokens, hidden_size = hidden.shape
     num_local, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -85,20 +100,12 @@ def fused_experts_cpu(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     pairs = order[counts[0]:]
     xs = hidden[pairs // top_k]
     ys = torch.empty(pairs.numel(), hidden_size, dtype=hidden.dtype)
-    native = _packable(hidden, w13) and _packable(hidden, w2)
-    p13, p2 = (_packed(w13), _packed(w2)) if native else (None, None)
     start = 0
     for e, n in enumerate(counts[1:]):
         if n == 0:
             continue  # no token chose this expert
-        x, y = xs[start:start + n], ys[start:start + n]
-        if native:
-            gate_up = torch.empty(n, 2 * inter, dtype=hidden.dtype)
-            native_ops.linear(x, p13[e], None, gate_up)
-            native_ops.linear(cpu_layer_ops.silu_and_mul(gate_up), p2[e], None, y)
-        else:
-            gate_up = F.linear(x, w13[e])
-            torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e].t(), out=y)
+        gate_up = F.linear(xs[start:start + n], w13[e])
+        torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e].t(), out=ys[start:start + n])
         start += n
     rows = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32)
     rows[pairs] = ys.float() * topk_weights.reshape(-1)[pairs].float()[:, None]

@@ -1,7 +1,8 @@
 // The fused layer ops of kernels/cpu_layer_ops.py in C++, for fp32 and bf16 rows: RMSNorm
 // (alone and after the residual add), SiLU-and-mul, the neox rotary embedding, and Qwen3's
 // per-head q/k norm followed by the rotation; and, through the same parameter block and
-// thread split, the linear layer of cpu_gemm.h (op kLinear).
+// thread split, the linear layer of cpu_gemm.h (op kLinear); and, with its own parameter
+// block and entry points, the experts of a mixture-of-experts layer (cpu_moe.h).
 //
 // vLLM counterpart: csrc/cpu/layernorm.cpp, activation.cpp and pos_encoding.cpp, templates
 // over the element type that widen to fp32, compute and narrow, as these do.
@@ -307,6 +308,9 @@ int64_t units(const int64_t* params) {
 }
 
 }  // namespace
+
+// The experts of an MoE layer in one call (after the row ops: it reuses silu_and_mul_row).
+#include "cpu_moe.h"
 
 extern "C" {
 
