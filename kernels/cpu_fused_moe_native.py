@@ -36,7 +36,7 @@ from .cpu_runtime import use_torch_threads
 # The parameter block's slots, in the order of `enum MoeParam` in csrc/cpu_moe.h.
 PARAMS = ("dtype", "hidden", "hidden_stride", "tokens", "hidden_size", "inter", "top_k", "local_experts", "ids",
           "expert_map", "weights", "w13", "w2", "out", "index", "scratch")
-HEAD_SLOTS = 7  # kHead in cpu_moe.h: the counters after the per-pair and per-expert arrays
+LINE_SLOTS = 8  # kLine in cpu_moe.h: int64 slots per cache line
 
 _entries: dict[str, ctypes._CFuncPtr] = {}  # build -> its mini_vllm_fused_moe, checked once
 
@@ -77,9 +77,10 @@ _FAN_OUT = {"avx512": _fan_out_avx512, "avx2": _fan_out_avx2}
 
 
 def index_slots(pairs: int, local_experts: int) -> int:
-    """int64 slots of the index workspace: order and slot per pair, offsets (E + 1), active,
-    pending and ready per expert, the counters (cpu_moe.h's layout)."""
-    return 2 * pairs + 4 * local_experts + 1 + HEAD_SLOTS
+    """int64 slots of the index workspace (cpu_moe.h's layout): up to a line before its first
+    64-byte boundary, the item counter's line, the counters' line, pending and ready per
+    expert, order and slot per pair, offsets (E + 1) and active per expert."""
+    return 3 * LINE_SLOTS + 4 * local_experts + 2 * pairs + 1
 
 
 def scratch_elements(pairs: int, hidden_size: int, inter: int) -> int:

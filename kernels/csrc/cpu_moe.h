@@ -15,11 +15,11 @@
 // one shared counter until none is left.
 //
 // The items, in the counter's order:
-// 1. (expert, panel of gate_up): the expert's gathered rows times one packed panel of its w13.
-//    The worker that finishes an expert's last gate_up panel computes its SiLU-and-mul rows
-//    and then marks the expert ready;
-// 2. (expert, panel of down): waits until the expert is ready, then its act rows times one
-//    panel of its w2;
+// 1. (expert, run of gate_up panels): the expert's gathered rows times up to kItemPanels
+//    packed panels of its w13. The worker that finishes an expert's last gate_up item
+//    computes its SiLU-and-mul rows and then marks the expert ready;
+// 2. (expert, run of down panels): waits until the expert is ready, then its act rows times
+//    up to kItemPanels panels of its w2;
 // 3. (block of tokens): waits until every down item is done, then out[t] = sum over the
 //    token's slots k in order of fp32(y) * weight, rounded once to T.
 // A worker waits only for items taken before its own (the counter hands them out in order),
@@ -47,32 +47,41 @@ enum MoeParam {
 
 // Tokens per combine item (3).
 constexpr int64_t kCombineTokens = 8;
+// Panels per GEMM item: a decode step's busy experts (32 in the MoE benchmark) still give
+// two threads about two hundred items to balance, and a worker takes the counter's cache
+// line from the other core a quarter as often as with one panel per item.
+constexpr int64_t kItemPanels = 4;
 // Output values a combine step sums in registers and L1 (a stack buffer of fp32).
 constexpr int64_t kCombineWidth = 256;
 
 // The int64 index workspace (n = tokens * top_k pairs, E local experts), as
-// cpu_fused_moe_native.index_slots sizes it: order [n] (pair ids t * top_k + k sorted by
-// expert, stable), slot [n] (each pair's place in that order, or -1), offsets [E + 1],
-// active [E] (the experts with tokens), pending [E] (gate_up items left), ready [E], then
-// kHead counters.
-enum Head { hNext, hDownLeft, hActive, hPairs, hItems1, hItems2, hItems, kHead };
+// cpu_fused_moe_native.index_slots sizes it, from its first 64-byte boundary: the shared
+// item counter alone in a cache line (every item's fetch-and-add moves that line between
+// cores; nothing else should move with it), a line of kHead counters, then pending [E]
+// (gate_up items left), ready [E], order [n] (pair ids t * top_k + k sorted by expert,
+// stable), slot [n] (each pair's place in that order, or -1), offsets [E + 1] and active
+// [E] (the experts with tokens).
+constexpr int64_t kLine = 8;  // int64 slots per cache line
+enum Head { hDownLeft, hActive, hPairs, hItems1, hItems2, hItems, kHead };
+static_assert(kHead <= kLine, "the counters fill one cache line");
 
 struct Moe {
   const int64_t* p;
   int64_t n, E, H, I;
-  int64_t *order, *slot, *offsets, *active, *pending, *ready, *head;
+  int64_t *next, *head, *pending, *ready, *order, *slot, *offsets, *active;
   explicit Moe(const int64_t* params) : p(params) {
     n = p[mTokens] * p[mTopK];
     E = p[mLocalExperts];
     H = p[mHiddenSize];
     I = p[mInter];
-    order = reinterpret_cast<int64_t*>(p[mIndex]);
+    next = reinterpret_cast<int64_t*>((p[mIndex] + 63) & ~int64_t(63));
+    head = next + kLine;
+    pending = head + kLine;
+    ready = pending + E;
+    order = ready + E;
     slot = order + n;
     offsets = slot + n;
     active = offsets + E + 1;
-    pending = active + E;
-    ready = pending + E;
-    head = ready + E;
   }
   // The T scratch, rows of the sorted pairs: xs [n, H], gate_up [n, 2I], act [n, I], y [n, H].
   template <typename T> T* xs() const { return reinterpret_cast<T*>(p[mScratch]); }
@@ -92,6 +101,12 @@ inline void wait_for(const int64_t* flag, int64_t want) {
     else
       sched_yield();
   }
+}
+
+// Items per expert: runs of kItemPanels of a weight's panels.
+inline int64_t runs(int64_t panels) { return (panels + kItemPanels - 1) / kItemPanels; }
+inline int64_t run_end(int64_t run, int64_t panels) {
+  return (run + 1) * kItemPanels < panels ? (run + 1) * kItemPanels : panels;
 }
 
 // The plan, on the calling thread: local ids, a stable counting sort of the pairs by expert,
@@ -123,27 +138,29 @@ void plan(const Moe& m) {
   T* xs = m.xs<T>();
   for (int64_t s = 0; s < pairs; ++s)
     std::memcpy(xs + s * m.H, hidden + (m.order[s] / top_k) * stride, sizeof(T) * m.H);
-  const int64_t panels13 = 2 * m.I / mini_vllm_gemm::kPanelColumns, panels2 = m.H / mini_vllm_gemm::kPanelColumns;
+  const int64_t per13 = runs(2 * m.I / mini_vllm_gemm::kPanelColumns);
+  const int64_t per2 = runs(m.H / mini_vllm_gemm::kPanelColumns);
   for (int64_t e = 0; e < m.E; ++e) {
-    m.pending[e] = panels13;
+    m.pending[e] = per13;
     m.ready[e] = 0;
   }
-  m.head[hNext] = 0;
-  m.head[hDownLeft] = na * panels2;
+  *m.next = 0;
+  m.head[hDownLeft] = na * per2;
   m.head[hActive] = na;
   m.head[hPairs] = pairs;
-  m.head[hItems1] = na * panels13;
-  m.head[hItems2] = na * (panels13 + panels2);
+  m.head[hItems1] = na * per13;
+  m.head[hItems2] = na * (per13 + per2);
   m.head[hItems] = m.head[hItems2] + (m.p[mTokens] + kCombineTokens - 1) / kCombineTokens;
 }
 
 template <typename T>
-void gate_up_item(const Moe& m, int64_t e, int64_t panel) {
+void gate_up_item(const Moe& m, int64_t e, int64_t run) {
   const int64_t r0 = m.offsets[e], rows = m.offsets[e + 1] - r0, two_i = 2 * m.I;
   T* gate_up = m.gate_up<T>() + r0 * two_i;
   const T* w13 = reinterpret_cast<const T*>(m.p[mW13]) + e * two_i * m.H;
-  mini_vllm_gemm::linear_panels(m.xs<T>() + r0 * m.H, m.H, rows, m.H, w13, nullptr, gate_up, two_i, panel,
-                                panel + 1);
+  const int64_t panels = two_i / mini_vllm_gemm::kPanelColumns;
+  mini_vllm_gemm::linear_panels(m.xs<T>() + r0 * m.H, m.H, rows, m.H, w13, nullptr, gate_up, two_i,
+                                run * kItemPanels, run_end(run, panels));
   if (__atomic_sub_fetch(&m.pending[e], 1, __ATOMIC_ACQ_REL) == 0) {  // the expert's last panel
     T* act = m.act<T>() + r0 * m.I;
     for (int64_t r = 0; r < rows; ++r)
@@ -153,12 +170,13 @@ void gate_up_item(const Moe& m, int64_t e, int64_t panel) {
 }
 
 template <typename T>
-void down_item(const Moe& m, int64_t e, int64_t panel) {
+void down_item(const Moe& m, int64_t e, int64_t run) {
   wait_for(&m.ready[e], 1);
   const int64_t r0 = m.offsets[e], rows = m.offsets[e + 1] - r0;
   const T* w2 = reinterpret_cast<const T*>(m.p[mW2]) + e * m.H * m.I;
+  const int64_t panels = m.H / mini_vllm_gemm::kPanelColumns;
   mini_vllm_gemm::linear_panels(m.act<T>() + r0 * m.I, m.I, rows, m.I, w2, nullptr, m.y<T>() + r0 * m.H, m.H,
-                                panel, panel + 1);
+                                run * kItemPanels, run_end(run, panels));
   __atomic_sub_fetch(&m.head[hDownLeft], 1, __ATOMIC_ACQ_REL);
 }
 
@@ -195,15 +213,16 @@ void combine_item(const Moe& m, int64_t block) {
 template <typename T>
 void work(const int64_t* params) {
   const Moe m(params);
-  const int64_t panels13 = 2 * m.I / mini_vllm_gemm::kPanelColumns, panels2 = m.H / mini_vllm_gemm::kPanelColumns;
+  const int64_t per13 = runs(2 * m.I / mini_vllm_gemm::kPanelColumns);
+  const int64_t per2 = runs(m.H / mini_vllm_gemm::kPanelColumns);
   const int64_t items1 = m.head[hItems1], items2 = m.head[hItems2], items = m.head[hItems];
   for (;;) {
-    const int64_t i = __atomic_fetch_add(&m.head[hNext], 1, __ATOMIC_RELAXED);
+    const int64_t i = __atomic_fetch_add(m.next, 1, __ATOMIC_RELAXED);
     if (i >= items) break;
     if (i < items1)
-      gate_up_item<T>(m, m.active[i / panels13], i % panels13);
+      gate_up_item<T>(m, m.active[i / per13], i % per13);
     else if (i < items2)
-      down_item<T>(m, m.active[(i - items1) / panels2], (i - items1) % panels2);
+      down_item<T>(m, m.active[(i - items1) / per2], (i - items1) % per2);
     else
       combine_item<T>(m, i - items2);
   }
