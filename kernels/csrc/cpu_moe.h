@@ -4,8 +4,9 @@
 // silu_and_mul_row) and cpu_gemm.h (linear_panels, the packed weight layout); exported as
 // mini_vllm_fused_moe / mini_vllm_fused_moe_worker, called by kernels/cpu_fused_moe_native.py.
 //
-// vLLM counterpart: csrc/cpu/moe.cpp / the sgl-kernels' fused_experts_cpu, a grouped GEMM
-// over experts on weights packed at load time.
+// vLLM counterpart: the CPU build's `_C.cpu_fused_moe` op (vllm/_custom_ops.py's
+// cpu_fused_moe, called by fused_moe/experts/cpu_moe.py): all of a layer's experts in one
+// call, on weights packed at load time.
 //
 // Why one call: a decode step gives an expert a handful of tokens, so a product per expert
 // (two per expert and layer) is a few microseconds of work, and what it cost was the call:
