@@ -178,6 +178,41 @@ def test_start_method_variable_is_checked(monkeypatch):
     assert get_mp_context().get_start_method() == "spawn", f"{MP_METHOD_ENV}=spawn was not honoured"
 
 
+NUMBA_POOL_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from numba import njit, prange
+    from mini_vllm.engine.utils import get_mp_context
+    before = get_mp_context().get_start_method()
+
+    @njit(parallel=True)
+    def total(a):
+        s = 0.0
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    total(np.ones(64))  # starts numba's thread pool, as the CPU kernels do on 2+ threads
+    print(before, get_mp_context().get_start_method())
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork is the default start method on Linux only")
+def test_a_running_numba_openmp_pool_makes_the_core_spawn():
+    """numba's OpenMP pool terminates a child forked after it started, at the child's first
+    parallel loop (the engine benchmark's 2-thread engine core died that way, after an
+    in-process run): the core must then start with spawn."""
+    env = {k: v for k, v in os.environ.items() if k != MP_METHOD_ENV}
+    env.update(NUMBA_THREADING_LAYER="omp", NUMBA_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", NUMBA_POOL_SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if r.returncode != 0 and "threading layer" in r.stderr:
+        pytest.skip(f"numba's OpenMP threading layer is unavailable here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["fork", "spawn"], (
+        f"expected fork before numba's OpenMP pool started and spawn after it, got {r.stdout!r}: a core forked "
+        "after the pool started is terminated at its first parallel loop")
+
+
 STDIN_SCRIPT = textwrap.dedent(f"""
     import sys
     sys.path.insert(0, {str(TESTS)!r})

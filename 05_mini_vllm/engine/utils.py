@@ -66,12 +66,21 @@ _MP_METHODS = ("fork", "spawn", "forkserver")
 def _fork_hazard() -> str | None:
     """Why forking this process now would break the child, or None (vLLM's
     `_maybe_force_spawn`): the CUDA driver cannot be used in a child forked after
-    it was initialised. (OpenMP's thread pool, which a fork also leaves behind, is
-    handled in the child: `core_proc.run_engine_core` runs the core in a new thread.)"""
+    it was initialised; and numba's OpenMP thread pool, once started, terminates a
+    forked child at its first parallel loop ("fork() called from a process already
+    using GNU OpenMP"), which kills a core that runs numba kernels on 2+ threads. (torch's
+    own OpenMP pool, which a fork also leaves behind, is handled in the child:
+    `core_proc.run_engine_core` runs the core in a new thread.)"""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
+    if "numba" in sys.modules:
+        import numba
+        from numba.np.ufunc import parallel
+
+        if parallel._is_initialized and numba.threading_layer() == "omp":
+            return "numba's OpenMP thread pool runs in this process"
     return None
 
 
