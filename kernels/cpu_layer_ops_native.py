@@ -112,6 +112,31 @@ def _run(slots: tuple, work: int, split_at: int = SPLIT_ELEMENTS) -> None:
         _FAN_OUT[lib.isa](block.params, use_torch_threads())
 
 
+def op_block(**slots: int) -> np.ndarray:
+    """A parameter block with the named slots (PARAMS' names) filled and the others zero, for a
+    caller that fills a block once and runs it on every step (`models/cpu_step.py`)."""
+    params = np.zeros(len(PARAMS), np.int64)
+    for name, value in slots.items():
+        params[PARAMS.index(name)] = value
+    return params
+
+
+def eps_slot(eps: float) -> int:
+    """The `eps_bits` slot's value: eps's float64 bits as an int64."""
+    return _eps_bits(eps)
+
+
+def raise_status(status: int) -> None:
+    """Raise what a nonzero `layer_op` status means (as `_run` does)."""
+    error, message = _ERRORS[status]
+    raise error(message)
+
+
+def fan_out(params: np.ndarray, nthreads: int) -> None:
+    """Split a checked block's rows between `nthreads` threads (as `_run` does for a large op)."""
+    _FAN_OUT[cpu_native.layer_ops_library(len(PARAMS)).isa](params, nthreads)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     rows, width = x.shape
     _run((RMS_NORM, DTYPES[x.dtype], rows, width, x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(),

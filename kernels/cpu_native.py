@@ -350,7 +350,23 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
     checked everything): query, caches and out contiguous tensors of one dtype that
     `handles`; tables, cu and
     seq_lens integer numpy arrays, the items int64 ones (the plan's)."""
-    lib = library()
+    params, _arrays = attention_params(query, key_cache, value_cache, out, tables, cu, seq_lens, item_seq, item_t0,
+                                       item_h0, tile_tokens, decode_heads, scale, nthreads)
+    run_params(params, nthreads)
+
+
+# The slots of `attention_params` a caller rewrites to run one step's plan on another layer
+# (models/cpu_step.py): the query, both caches and the output; COUNTER_SLOT holds the address
+# of the item counter, which must be zero before each run.
+LAYER_SLOTS = slice(0, 4)
+COUNTER_SLOT = 21
+
+
+def attention_params(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
+                     item_seq: np.ndarray, item_t0: np.ndarray, item_h0: np.ndarray, tile_tokens: int,
+                     decode_heads: int, scale: float, nthreads: int) -> tuple[np.ndarray, tuple]:
+    """The C++ kernel's parameter block for `run`'s arguments, and the arrays its pointers
+    point into (the caller keeps them alive while the block is used)."""
     # The C++ side reads int32 tables and lengths (the engine's dtype; tests may pass int64).
     tables, cu, seq_lens = (np.ascontiguousarray(a, np.int32) for a in (tables, cu, seq_lens))
     num_tokens, num_heads, head_dim = query.shape
@@ -365,7 +381,12 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
                        tile_tokens, decode_heads, num_heads, num_kv_heads, head_dim, block_size,
                        struct.unpack("<I", struct.pack("<f", scale))[0], scratch.ctypes.data, per_thread,
                        counter.ctypes.data, DTYPES[key_cache.dtype]), np.int64)
+    return params, (tables, cu, seq_lens, item_seq, item_t0, item_h0, scratch, counter)
+
+
+def run_params(params: np.ndarray, nthreads: int) -> None:
+    """Run a block made by `attention_params` (its counter at zero)."""
     if nthreads == 1:
-        lib.worker(params.ctypes.data, 0)
+        library().worker(params.ctypes.data, 0)
     else:
         _FAN_OUT[isa()](params, nthreads)

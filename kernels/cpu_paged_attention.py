@@ -594,6 +594,28 @@ def check_cpu_inputs(query, key_cache, value_cache) -> None:
             raise ValueError(f"{name} must be contiguous for the cpu kernel, got strides {t.stride()}")
 
 
+def batch_plan(num_heads: int, num_kv_heads: int, block_tables, cu_seqlens_q, seq_lens,
+               plan_cache: dict | None = None):
+    """(tile_tokens, threads, plan) of a batch: the plan is (cu, seq_lens, tables as numpy,
+    item_seq, item_t0, item_h0, decode_heads), kept in `plan_cache` (one dict per batch)
+    under the tiling and thread count it was made for."""
+    group = num_heads // num_kv_heads
+    tile_tokens = max(1, TILE_ROWS // group)
+    # As many threads as torch uses (see "Threads"): 128 decodes of the throughput
+    # workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
+    nthreads = use_torch_threads(KERNEL_THREADS)
+    key = (tile_tokens, num_kv_heads, group, nthreads)
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        cu = cu_seqlens_q.contiguous().numpy()
+        seq_np = seq_lens.to(torch.int32).contiguous().numpy()
+        plan = (cu, seq_np, block_tables.contiguous().numpy(),
+                *plan_items(cu, seq_np, tile_tokens, num_kv_heads, group, nthreads))
+        if plan_cache is not None:
+            plan_cache[key] = plan
+    return tile_tokens, nthreads, plan
+
+
 def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                plan_cache: dict | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The kernel without argument checks, for callers that checked once per
@@ -608,20 +630,9 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
         return torch.empty_like(query)
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    tile_tokens = max(1, TILE_ROWS // group)
     step_keys = block_size * max(1, KV_TILE_BYTES // (4 * head_dim) // block_size)
-    # As many threads as torch uses (see "Threads"): 128 decodes of the throughput
-    # workload, 2 threads, 3.7 ms on one thread, 2.9 ms on two.
-    nthreads = use_torch_threads(KERNEL_THREADS)
-    key = (tile_tokens, num_kv_heads, group, nthreads)
-    plan = plan_cache.get(key) if plan_cache is not None else None
-    if plan is None:
-        cu = cu_seqlens_q.contiguous().numpy()
-        seq_np = seq_lens.to(torch.int32).contiguous().numpy()
-        plan = (cu, seq_np, block_tables.contiguous().numpy(),
-                *plan_items(cu, seq_np, tile_tokens, num_kv_heads, group, nthreads))
-        if plan_cache is not None:
-            plan_cache[key] = plan
+    tile_tokens, nthreads, plan = batch_plan(num_heads, num_kv_heads, block_tables, cu_seqlens_q, seq_lens,
+                                             plan_cache)
     cu, seq_lens, tables, item_seq, item_t0, item_h0, decode_heads = plan
     if cpu_native.handles(key_cache.dtype, head_dim):  # the C++ kernel (cpu_native.py), same items
         out = torch.empty_like(query)

@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mini_vllm.forward_context import get_forward_context
+
 from .attention import Attention
+from .cpu_step import FlatCpuForward
 from .config import ModelConfig
 from .layers import ParallelLMHead, RMSNorm, SiluAndMul, VocabParallelEmbedding
 from .linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -40,6 +43,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     """qkv_proj -> (per-head q/k norm, Qwen3 only) -> RoPE -> paged attention -> o_proj."""
+    # The fused op by which the flat CPU step (cpu_step.py) turns qkv into rotated q and k:
+    # "rope" (two rotations); Qwen3 declares "qk_norm_rope". A subclass that changes
+    # position_qk otherwise must declare another name, which the flat step refuses.
+    qk_kernel = "rope"
 
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, attention_backend: str):
         super().__init__()
@@ -97,8 +104,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, make_attention(), make_mlp(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The eager CPU step as one flat loop over prepared kernel calls (cpu_step.py): the
+        # same kernels and bits as the modules below, without their per-call Python.
+        self.flat_cpu = FlatCpuForward(self, LlamaAttention, LlamaMLP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.flat_cpu.usable(input_ids):  # cheap checks first; None: this step takes the modules
+            hidden = self.flat_cpu.forward(input_ids, positions, get_forward_context())
+            if hidden is not None:
+                return hidden
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)

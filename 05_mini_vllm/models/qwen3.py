@@ -23,6 +23,8 @@ from .llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_kernel = "qk_norm_rope"  # the flat CPU step's one op for both norms and the rotation
+
     def __init__(self, config: ModelConfig, attention_backend: str):
         super().__init__(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
                          attention_backend=attention_backend)
