@@ -1,7 +1,8 @@
 """The eager CPU step's flat loop (mini_vllm/models/cpu_step.py): the same bits as the
 modules, and its mechanism pinned without timing anything: a decode step of a shape seen
 before calls no layer module and allocates nothing per layer (only the step's metadata and
-the hidden states it returns)."""
+the hidden states it returns); a weight written in place after the plans were made is read
+anew (the packed copies they point into are redone)."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +113,22 @@ def test_a_decode_step_calls_no_module_and_allocates_only_its_result():
     # once a step, then the returned hidden states; nothing per layer or per op.
     assert alloc.ops == ["aten.ge.Scalar", "aten.all.default", "aten.is_nonzero.default", "aten.empty_like.default"], \
         f"a decode step of a known shape allocated more than its metadata and its returned hidden states: {alloc.ops}"
+
+
+def test_a_weight_written_in_place_is_read_anew(monkeypatch):
+    """The plans point into packed copies of the weights: a weight written after the first
+    steps (a test zeroing a projection, a reload) must be packed again, as the modules do."""
+    llm = _engine("float32")
+    try:
+        model = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
+        before = _generate(llm)  # plans and packed copies made for these shapes
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.weight.mul_(-1.5)
+        flat = _generate(llm)
+        monkeypatch.setattr(cpu_step, "CPU_STEP", "modules")
+        modules = _generate(llm)
+    finally:
+        llm.shutdown()
+    assert modules != before, "the written weights changed nothing: the test cannot see a stale plan"
+    assert flat == modules, "the flat loop read a stale packed weight after the weight was written in place"
