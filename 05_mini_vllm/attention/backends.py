@@ -86,37 +86,36 @@ class TritonAttentionBackend:
 
     def forward(self, query, key, value, key_cache, value_cache, md: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0):
-        paged_attention_unchecked, num_segments_for, split_kv_launch, reshape_and_cache_unchecked = _kernels()
+        pa, split, cache_ops = _kernels()
         # The step's metadata is checked once (the first layer; the runner usually did it
         # already): the kernels' own argument checks read index tensors back to the host,
         # and 5-7 such waits per layer kept a GPU idle most of a decode step.
         md.validate(key_cache.shape[0], key_cache.shape[1])
-        reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
+        cache_ops.reshape_and_cache_unchecked(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
         if md.max_query_len == 1:
             # A pure-decode step: one program per (sequence, KV head) instead of a 64-row query
             # tile of which a decode fills GROUP rows; when that leaves SMs idle (a small batch),
             # each sequence's keys are split into segments reduced afterwards (FlashDecoding).
             # The segment count depends on shapes only, so a captured graph fixes it.
-            segments = num_segments_for(query.shape[0], key_cache.shape[2], _parallelism(query.device))
+            segments = split.num_segments_for(query.shape[0], key_cache.shape[2], _parallelism(query.device))
             if segments > 1:
-                return split_kv_launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale,
-                                       segments, k_scale=k_scale, v_scale=v_scale)
-        return paged_attention_unchecked(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q,
-                                         md.seq_lens, scale, md.max_query_len == 1, k_scale, v_scale)
+                return split.split_kv_launch(query, key_cache, value_cache, md.block_tables, md.seq_lens, scale,
+                                             segments, k_scale=k_scale, v_scale=v_scale)
+        return pa.paged_attention_unchecked(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q,
+                                            md.seq_lens, scale, md.max_query_len == 1, k_scale, v_scale)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The Triton backend's kernels, imported on first use: importing triton is slow and the
-    other backends never need it; without CUDA, Triton's interpreter is selected first."""
+    """The Triton backend's kernel modules, imported on first use: importing triton is slow and
+    the other backends never need it; without CUDA, Triton's interpreter is selected first.
+    Modules, not functions: a call looks its function up each time, so a patched one is seen."""
     from mini_vllm.kernels import prepare_triton
 
     prepare_triton()
-    from mini_vllm.kernels.paged_attention import paged_attention_unchecked
-    from mini_vllm.kernels.paged_attention_split import num_segments_for, split_kv_launch
-    from mini_vllm.kernels.reshape_and_cache import reshape_and_cache_unchecked
+    from mini_vllm.kernels import paged_attention, paged_attention_split, reshape_and_cache
 
-    return paged_attention_unchecked, num_segments_for, split_kv_launch, reshape_and_cache_unchecked
+    return paged_attention, paged_attention_split, reshape_and_cache
 
 
 @functools.lru_cache(maxsize=None)
