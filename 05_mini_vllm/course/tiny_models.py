@@ -1,6 +1,7 @@
 """Load the course's own tiny checkpoints (trained by ``training/train_tiny_lm.py``;
 the editor fine-tuned from the target by ``training/finetune_editor.py``; the EAGLE
-head for the target by ``training/train_eagle.py``).
+head for the target by ``training/train_eagle.py``; the mixture of experts upcycled
+from the target by ``training/train_moe.py``).
 
 The engine loads these exactly like a downloaded Hugging Face checkpoint (vLLM's
 counterpart: ``vllm/model_executor/model_loader/default_loader.py``), only from the
@@ -25,6 +26,9 @@ MODEL_NAMES = (TARGET_NAME, DRAFT_NAME, EDITOR_NAME)
 # Draft heads: not language models of their own (training/train_eagle.py); they run on the target.
 EAGLE_NAME = "tiny-py-eagle"
 HEAD_NAMES = (EAGLE_NAME,)
+# A Qwen3-MoE (training/train_moe.py), kept out of MODEL_NAMES, whose members are dense Qwen3s.
+MOE_NAME = "tiny-py-moe"
+MOE_NAMES = (MOE_NAME,)
 
 
 def models_dir() -> Path:
@@ -33,8 +37,8 @@ def models_dir() -> Path:
 
 
 def model_path(name: str) -> Path:
-    if name not in MODEL_NAMES + HEAD_NAMES:
-        raise ValueError(f"name must be one of {MODEL_NAMES + HEAD_NAMES}, got {name!r}")
+    if name not in MODEL_NAMES + HEAD_NAMES + MOE_NAMES:
+        raise ValueError(f"name must be one of {MODEL_NAMES + HEAD_NAMES + MOE_NAMES}, got {name!r}")
     path = models_dir() / name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; run `make models` or set MINI_VLLM_MODELS_DIR")
