@@ -112,7 +112,7 @@ eagle-model: $(STAMP)
 	$(PY) training/train_eagle.py --out models/tiny-py-eagle
 
 # Upcycles tiny-py-target into tiny-py-moe, a Qwen3-MoE with 8 experts, top-2, and fine-tunes it on
-# the same corpus (about 27 minutes on 2 CPU cores: training stops at 24 minutes, best checkpoint kept).
+# the same corpus (about 25 minutes on 2 CPU cores: training stops at 24 minutes, best checkpoint kept).
 moe-model: $(STAMP)
 	$(PY) training/train_moe.py --out models/tiny-py-moe
 
