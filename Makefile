@@ -35,9 +35,11 @@ $(LINKS): $(DEPS) $(MODLIST)
 	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=strict
 	touch $(LINKS)
 
-# The engine on the tiny model (the Chapter 1 waste table: `$(PY) -m mini_vllm.paged_attention.waste`).
+# The engine on the tiny model (the Chapter 1 waste table: `$(PY) -m mini_vllm.paged_attention.waste`);
+# DEMO_ARGS="--model tiny-py-moe" serves the mixture-of-experts model, "--speculative eagle" drafts.
+DEMO_ARGS ?=
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m mini_vllm.demo
+	OMP_NUM_THREADS=1 $(PY) -m mini_vllm.demo $(DEMO_ARGS)
 
 # The whole suite: unit and property tests, Triton kernels (interpreted without CUDA), notebooks;
 # the 25 slowest tests are listed at the end (where `make test`'s time goes). pytest-xdist runs

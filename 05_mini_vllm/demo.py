@@ -1,5 +1,8 @@
 """`make demo`: the engine on the course's tiny model, on this CPU.
 
+`--model tiny-py-moe` serves the course's mixture-of-experts model instead
+(`make demo DEMO_ARGS="--model tiny-py-moe"`; trained by `make moe-model`).
+
 Serves a batch of Python-code prompts with continuous batching (requests join
 while others are decoding), streams one of them token by token, and prints
 the engine's statistics. The prompts share a file header, so later requests
@@ -14,7 +17,10 @@ import torch
 
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.course.tiny_models import model_path
+from mini_vllm.course.tiny_models import MOE_NAME, TARGET_NAME, model_path
+
+DEMO_MODELS = {TARGET_NAME: "5.5M parameters, Qwen3 architecture",
+               MOE_NAME: "8.5M parameters, Qwen3-MoE: 8 experts, 2 active per token"}
 
 HEADER = ('"""Utilities for working with files, paths and processes.\n\n'
           'This module is part of the standard library.\n"""\n\nimport os\nimport sys\n\n')
@@ -26,9 +32,11 @@ BODIES = ["def read_lines(path):\n", "class Cache:\n    def __init__(self", "def
 
 
 def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
-         speculative: str | None = None) -> dict:
+         speculative: str | None = None, model: str = TARGET_NAME) -> dict:
+    if model not in DEMO_MODELS:
+        raise ValueError(f"model must be one of {list(DEMO_MODELS)}, got {model!r}")
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and robust on a busy machine
-    print("mini-vLLM demo: tiny-py-target (5.5M parameters, Qwen3 architecture) on the CPU\n")
+    print(f"mini-vLLM demo: {model} ({DEMO_MODELS[model]}) on the CPU\n")
     spec = None
     if speculative == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 4}
@@ -37,7 +45,7 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
     elif speculative == "eagle":
         spec = {"method": "eagle", "model": str(model_path("tiny-py-eagle")), "num_speculative_tokens": 3}
     def make_engine():
-        return LLMEngine.from_engine_args(str(model_path("tiny-py-target")), dtype="float32",
+        return LLMEngine.from_engine_args(str(model_path(model)), dtype="float32",
                                           speculative_config=spec,
                                           max_num_seqs=32, max_num_batched_tokens=256, block_size=16,
                                           kv_cache_memory_bytes=32 << 20)
@@ -75,7 +83,9 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
         step += 1
     s = eng.get_stats()
     print("\n" + "-" * 60)
-    rows = [("requests finished", f"{s['requests_finished']}"),
+    mc = eng.model_config  # what the engine loaded, not what was asked for
+    rows = [("model served", f"{mc.model_type}, {mc.num_experts or 'no'} experts"),
+            ("requests finished", f"{s['requests_finished']}"),
             ("engine steps", f"{eng.metrics.num_steps}"),
             ("output tokens / s", f"{s['output_tok_per_s']:.1f}"),
             ("prompt tokens / s", f"{s['prompt_tok_per_s']:.1f}"),
@@ -111,4 +121,7 @@ if __name__ == "__main__":
     ap.add_argument("--speculative", choices=["ngram", "draft", "eagle"], default=None,
                     help="turn on speculative decoding (n-gram, the tiny draft model, or the EAGLE head "
                          "models/tiny-py-eagle)")
-    main(speculative=ap.parse_args().speculative)
+    ap.add_argument("--model", choices=list(DEMO_MODELS), default=TARGET_NAME,
+                    help="the model served (tiny-py-moe: the mixture-of-experts one)")
+    args = ap.parse_args()
+    main(speculative=args.speculative, model=args.model)
