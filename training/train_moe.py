@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from evaluate import EVAL_WINDOWS, logits_on, sha256, split_ids, unigram_loss  # noqa: E402
 from machine import machine_line  # noqa: E402
-from train_tiny_lm import lr_at, val_loss  # noqa: E402
+from train_tiny_lm import lr_at, save_bf16, val_loss  # noqa: E402
 
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SAMPLE_PROMPT = "def read_config(path):\n"
@@ -128,10 +128,7 @@ def train_step(model, opt, batch, lr, aux_coef) -> tuple[float, float]:
 
 def save(model, base: Path, out: Path) -> None:
     """bf16 safetensors + the base's generation config and tokenizer files, byte for byte."""
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    model.to(torch.float32).load_state_dict(state)  # keep training in fp32, not bf16-rounded
+    save_bf16(model, out)
     for name in COPIED_FILES:
         (out / name).write_bytes((base / name).read_bytes())
 

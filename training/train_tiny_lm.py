@@ -113,12 +113,17 @@ def val_loss(model, val_ids: torch.Tensor, seq_len: int, max_chunks: int = 24) -
     return float(torch.stack(losses).mean())
 
 
-def save_model(model, tok_dir: Path, out_dir: Path, eos_id: int, pad_id: int) -> None:
-    """bf16 safetensors + generation_config + tokenizer files, exactly like a hub checkpoint."""
+def save_bf16(model, out_dir: Path) -> None:
+    """The model as bf16 safetensors in out_dir; the model itself stays in exact fp32."""
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    model.to(torch.float32).load_state_dict(state)  # noqa: E501  # keep training in exact fp32, not bf16-rounded
+    model.to(torch.float32).load_state_dict(state)  # keep training in exact fp32, not bf16-rounded
+
+
+def save_model(model, tok_dir: Path, out_dir: Path, eos_id: int, pad_id: int) -> None:
+    """bf16 safetensors + generation_config + tokenizer files, exactly like a hub checkpoint."""
+    save_bf16(model, out_dir)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id,
                      do_sample=False, max_new_tokens=64).save_pretrained(out_dir)
     for f in tok_dir.iterdir():
