@@ -8,6 +8,10 @@ as [num_blocks * block_size, ...]:
 
 Invariant: the result never depends on a -1 (padding) table entry; asking for
 one is a ValueError rather than a silent wrap-around.
+
+Chapter 5's engine computes the same mapping under the same name on host numpy
+arrays (`worker/prepare_inputs.py`), without these checks: its scheduler has
+allocated every block it schedules, and the checks would cost every step.
 """
 from __future__ import annotations
 

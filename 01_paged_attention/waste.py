@@ -53,12 +53,15 @@ DATASETS = {
 
 
 @dataclass(frozen=True)
-class Request:
+class TraceRequest:
+    """One request of a synthetic trace: its lengths, all the waste model needs (not the
+    scheduler's `Request` of Chapter 3, which carries tokens and state)."""
+
     prompt_len: int
     output_len: int
 
 
-def synthetic_trace(dataset: str, num_requests: int = 2000, seed: int = 0) -> list[Request]:
+def synthetic_trace(dataset: str, num_requests: int = 2000, seed: int = 0) -> list[TraceRequest]:
     """Deterministic trace: same (dataset, num_requests, seed) -> same list.
     Every request has prompt >= 1, output >= 1 and prompt + output <= MAX_LEN."""
     if dataset not in DATASETS:
@@ -71,14 +74,14 @@ def synthetic_trace(dataset: str, num_requests: int = 2000, seed: int = 0) -> li
 
     prompts = np.clip(np.rint(lognormal(p_mean)), 1, MAX_LEN // 2).astype(int)
     outputs = np.clip(np.rint(lognormal(o_mean)), 1, MAX_LEN - prompts).astype(int)
-    return [Request(int(p), int(o)) for p, o in zip(prompts, outputs)]
+    return [TraceRequest(int(p), int(o)) for p, o in zip(prompts, outputs)]
 
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def allocation(scheme: str, req: Request, used: np.ndarray) -> np.ndarray:
+def allocation(scheme: str, req: TraceRequest, used: np.ndarray) -> np.ndarray:
     """Slots allocated to `req` in each iteration, given used(t) per iteration."""
     if scheme == "Orca (Max)":
         return np.full_like(used, MAX_LEN)
@@ -96,12 +99,12 @@ def allocation(scheme: str, req: Request, used: np.ndarray) -> np.ndarray:
 SCHEMES = ("Orca (Max)", "Orca (Pow2)", "Orca (Oracle)") + tuple(f"Paged (B={b})" for b in PAGED_BLOCK_SIZES)
 
 
-def used_slots(req: Request) -> np.ndarray:
+def used_slots(req: TraceRequest) -> np.ndarray:
     """used(t) = P + t - 1 for t = 1..O."""
     return req.prompt_len + np.arange(req.output_len)
 
 
-def measure(trace: list[Request], scheme: str) -> dict:
+def measure(trace: list[TraceRequest], scheme: str) -> dict:
     """Slot-iteration totals of one scheme over a trace, plus the largest
     per-request slack alloc(t) - used(t) seen (for the one-block bound)."""
     used_sum = alloc_sum = reserved_sum = 0

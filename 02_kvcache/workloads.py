@@ -65,7 +65,8 @@ def random_prompts(rng, n_requests=300, length=(200, 800)):
 
 
 @dataclass
-class SimResult:
+class HitRateResult:
+    """What one `simulate` run measured: prefix-cache hits over the prompts it admitted."""
     requests: int
     prompt_tokens: int
     hit_tokens: int
@@ -74,7 +75,7 @@ class SimResult:
 
 
 def simulate(m: KVCacheManager, stream: Iterator, concurrency: int = 8, seed: int = 0,
-             free_order=None, after_request=None) -> SimResult:
+             free_order=None, after_request=None) -> HitRateResult:
     """Drive `stream` through `m`. Items are (prompt, n_out) or (conversation, n_out).
 
     `free_order(m, request)` replaces `m.free` (to compare freeing policies);
@@ -116,4 +117,4 @@ def simulate(m: KVCacheManager, stream: Iterator, concurrency: int = 8, seed: in
     q = m.prefix_cache_stats.queries - stats0[0]
     h = m.prefix_cache_stats.hits - stats0[1]
     assert h == hit_tokens and q == prompt_tokens, "stats disagree with the driver's own count"
-    return SimResult(i + 1, prompt_tokens, hit_tokens, h / q if q else 0.0)
+    return HitRateResult(i + 1, prompt_tokens, hit_tokens, h / q if q else 0.0)

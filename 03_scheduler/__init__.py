@@ -6,7 +6,8 @@ Mirrors `vllm/v1/request.py`, `vllm/v1/core/sched/output.py`,
 from mini_vllm.scheduler.config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from mini_vllm.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                         SchedulerStats)
-from mini_vllm.scheduler.request import PLACEHOLDER_TOKEN_ID, EngineCoreOutput, Request, RequestStatus, SamplingParams
+from mini_vllm.scheduler.request import (PLACEHOLDER_TOKEN_ID, EngineCoreOutput, Request, RequestStatus,
+                                         SchedulerSamplingParams)
 from mini_vllm.scheduler.scheduler import Scheduler
 from mini_vllm.scheduler.mini_runner import MiniRunner
 from mini_vllm.scheduler.swap import CpuBlockPool
@@ -14,5 +15,6 @@ from mini_vllm.scheduler.swap import CpuBlockPool
 __all__ = [
     "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
     "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "SchedulerStats", "EngineCoreOutput",
-    "PLACEHOLDER_TOKEN_ID", "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
+    "PLACEHOLDER_TOKEN_ID", "Request", "RequestStatus", "SchedulerSamplingParams", "Scheduler", "CpuBlockPool",
+    "MiniRunner",
 ]

@@ -46,7 +46,8 @@ from .config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from .mini_runner import MiniRunner
 from .output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .policy import running_order, waiting_order  # noqa: F401  (for your schedule())
-from .request import PLACEHOLDER_TOKEN_ID, EngineCoreOutput, Request, RequestStatus, SamplingParams  # noqa: F401
+from .request import (PLACEHOLDER_TOKEN_ID, EngineCoreOutput, Request, RequestStatus,  # noqa: F401
+                      SchedulerSamplingParams)
 from .scheduler_base import SchedulerBase
 from .step_base import StepStateBase
 from .swap import CpuBlockPool
@@ -54,7 +55,7 @@ from .swap import CpuBlockPool
 __all__ = [
     "POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "CachedRequestData",
     "ModelRunnerOutput", "NewRequestData", "SchedulerOutput", "EngineCoreOutput",
-    "Request", "RequestStatus", "SamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
+    "Request", "RequestStatus", "SchedulerSamplingParams", "Scheduler", "CpuBlockPool", "MiniRunner",
 ]
 
 

@@ -29,7 +29,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     # What a model runner needs to sample for the request (the model-free
-    # MiniRunner ignores them): its SamplingParams and EOS id.
+    # MiniRunner ignores them): its SchedulerSamplingParams and EOS id.
     sampling_params: object = None
     eos_token_id: int | None = None
 

@@ -56,8 +56,12 @@ _FINISH_REASONS = {
 
 
 @dataclass
-class SamplingParams:
+class SchedulerSamplingParams:
     """The part of sampling that the scheduler needs: when to stop.
+
+    Not vLLM's `SamplingParams`: Chapter 5's `SamplingParams` (vLLM's fields) extends
+    this class with what the sampler reads, so a Chapter 3 scheduler runs engine
+    requests unchanged.
 
     max_tokens: cap on generated tokens (>= 1).
     stop_token_ids: generating any of these finishes the request ("stop").
@@ -91,7 +95,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SchedulerSamplingParams | None = None,
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
@@ -102,7 +106,7 @@ class Request:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
         self.request_id = str(request_id)
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params or SamplingParams()
+        self.sampling_params = sampling_params or SchedulerSamplingParams()
         self.eos_token_id = eos_token_id
         self.arrival_time = float(arrival_time)
         # Lower value = served first (vLLM's convention).

@@ -23,7 +23,7 @@ from mini_vllm.paged_attention.waste import next_pow2, synthetic_trace
 from .config import SchedulerConfig
 from .cost_model import CostModel, kv_read
 from .output import ModelRunnerOutput
-from .request import Request, SamplingParams
+from .request import Request, SchedulerSamplingParams
 from .scheduler import Scheduler
 
 
@@ -38,7 +38,9 @@ class SimRequest:
 
 
 @dataclass
-class SimResult:
+class TimelineResult:
+    """What one simulated run recorded: every request's token times and every step's span,
+    from which `metrics` derives latency and throughput."""
     requests: list[SimRequest]
     steps: list[tuple[float, float, list[int]]]  # (start, end, request indices)
 
@@ -79,7 +81,7 @@ def _emit(r: SimRequest, now: float) -> None:
 
 
 def simulate_paged(workload, cost: CostModel, config: SchedulerConfig, num_blocks: int,
-                   block_size: int = 16) -> SimResult:
+                   block_size: int = 16) -> TimelineResult:
     reqs = [SimRequest(w.arrival, w.prompt_len, w.output_len) for w in workload]
     sched = Scheduler(config, num_blocks, block_size, enable_prefix_caching=False)
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
@@ -89,7 +91,7 @@ def simulate_paged(workload, cost: CostModel, config: SchedulerConfig, num_block
         while k < len(order) and reqs[order[k]].arrival <= clock:
             i = order[k]
             r = Request(str(i), [1 + i % 50_000] * reqs[i].prompt_len,
-                        SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True),
+                        SchedulerSamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True),
                         arrival_time=reqs[i].arrival)
             sched.add_request(r)
             live[r.request_id] = r
@@ -112,7 +114,7 @@ def simulate_paged(workload, cost: CostModel, config: SchedulerConfig, num_block
                 _emit(reqs[int(rid)], clock)
         sched.update_from_output(out, ModelRunnerOutput.from_dict(sampled))
         steps.append((start, clock, [int(r) for r in out.num_scheduled_tokens]))
-    return SimResult(reqs, steps)
+    return TimelineResult(reqs, steps)
 
 
 def reservation(scheme: str, r: SimRequest, max_len: int) -> int:
@@ -126,7 +128,7 @@ def reservation(scheme: str, r: SimRequest, max_len: int) -> int:
 
 
 def simulate_reservation(workload, cost: CostModel, scheme: str, kv_tokens: int,
-                         max_num_batched_tokens: int = 2048, max_len: int = 2048) -> SimResult:
+                         max_num_batched_tokens: int = 2048, max_len: int = 2048) -> TimelineResult:
     """Iteration-level FCFS batching; admission needs the whole reservation
     free and the whole prompt within the token budget (no chunking).
 
@@ -176,10 +178,10 @@ def simulate_reservation(workload, cost: CostModel, scheme: str, kv_tokens: int,
             running.remove(entry)
             free += reservation(scheme, reqs[entry[0]], max_len)
         steps.append((start, clock, [i for i, _, _ in batch]))
-    return SimResult(reqs, steps)
+    return TimelineResult(reqs, steps)
 
 
-def simulate_static(workload, cost: CostModel, kv_tokens: int, max_len: int = 2048) -> SimResult:
+def simulate_static(workload, cost: CostModel, kv_tokens: int, max_len: int = 2048) -> TimelineResult:
     """Static batching: batch size = kv_tokens // max_len (every slot reserves
     max_len); the batch prefills together and decodes until all are done."""
     reqs = [SimRequest(w.arrival, w.prompt_len, w.output_len) for w in workload]
@@ -205,4 +207,4 @@ def simulate_static(workload, cost: CostModel, kv_tokens: int, max_len: int = 20
             for i in batch:
                 if reqs[i].finish is None:
                     _emit(reqs[i], clock)
-    return SimResult(reqs, steps)
+    return TimelineResult(reqs, steps)

@@ -5,12 +5,18 @@ and the `vllm/config/` dataclasses it builds).
 hands the scheduler its own `SchedulerConfig` (Chapter 3). Invariants checked
 at construction, each a ValueError that names the field and its allowed range:
 * block_size in {8, 16, 32} (the sizes the kernels and tests cover);
-* dtype is one of float32 / bfloat16 / float16 (or their short names);
+* dtype is one of float32 / bfloat16 / float16 (or their short names), resolved in
+  place to its torch.dtype (vLLM's `ModelConfig.dtype`);
 * kv_cache_dtype is one of vLLM's "auto", "fp8", "fp8_e4m3", "fp8_e5m2"; a
   True calculate_kv_scales needs an fp8 one, no KV connector and no CUDA graphs;
 * exactly one KV budget applies: `num_gpu_blocks_override` when set, else
   `kv_cache_memory_bytes` when set (any device), else `gpu_memory_utilization`
   on CUDA and 512 MiB on CPU.
+
+As in vLLM's `VllmConfig`, a field holds the resolved object after construction:
+`speculative_config` a `SpeculativeConfig` (or None), `compilation_config` a
+`CompilationConfig` with every default filled in for the device, `dtype` a torch.dtype.
+Each also accepts its resolved form, so a resolved config can be built again.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.models.quantization import check_quantization
 from mini_vllm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
+from mini_vllm.speculative.config import SpeculativeConfig
 
 logger = logging.getLogger("mini_vllm")
 
@@ -47,7 +54,7 @@ def resolve_dtype(dtype) -> torch.dtype:
 @dataclass
 class EngineConfig:
     model: str = ""
-    dtype: str | torch.dtype = "float32"
+    dtype: str | torch.dtype = "float32"  # resolved to a torch.dtype in __post_init__
     # vLLM's --quantization: 8-bit linear weights (models/quantization/: "fp8", "fp8_per_tensor",
     # "fp8_per_channel", "compressed-tensors", "int8_per_channel_weight_only"); None: what the
     # checkpoint's quantization_config says, else none. A value that contradicts it is an error.
@@ -82,7 +89,8 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     tokenizer: str | None = None
     log_stats: bool = False
-    speculative_config: dict | None = None  # vLLM's field names (see speculative.py)
+    # vLLM's field names (spec_decode/config.py); resolved to a SpeculativeConfig or None.
+    speculative_config: dict | SpeculativeConfig | None = None
     stats_log_interval_s: float = 5.0
     # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask
     # for (-1: the whole vocabulary). The server passes vLLM's default, 20;
@@ -109,21 +117,21 @@ class EngineConfig:
     # scheduler would overlap with). True with an incompatible option is an error.
     async_scheduling: bool | None = None
     # vLLM's --compilation-config / -O and --enforce-eager (`compilation/config.py`):
-    # torch.compile of the forward and CUDA graphs. Resolved for the device below
-    # into `compilation` (a CompilationConfig with every default filled in).
-    compilation_config: dict | int | None = None
+    # torch.compile of the forward and CUDA graphs. Resolved for the device below, with
+    # enforce_eager, into a CompilationConfig with every default filled in.
+    compilation_config: dict | int | CompilationConfig | None = None
     enforce_eager: bool = False
-    compilation: CompilationConfig = field(init=False, repr=False)  # resolved from the two above
+    # True when the user named a cudagraph_mode: a mode the engine cannot run is then an
+    # error, where a default one falls back. Recorded before compilation_config is resolved.
+    cudagraph_mode_asked: bool = field(init=False, repr=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False, repr=False)  # the cache tensors' dtype
 
     def __post_init__(self) -> None:
-        self.torch_dtype = resolve_dtype(self.dtype)
+        self.dtype = resolve_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        self.kv_cache_torch_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
-        from mini_vllm.speculative.config import SpeculativeConfig
-
-        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        self.kv_cache_torch_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -141,15 +149,17 @@ class EngineConfig:
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        self.compilation = CompilationConfig.from_any(self.compilation_config).resolve(
+        self.cudagraph_mode_asked = (isinstance(self.compilation_config, dict)
+                                     and "cudagraph_mode" in self.compilation_config)
+        self.compilation_config = CompilationConfig.from_any(self.compilation_config).resolve(
             torch.device(self.device).type, self.max_num_seqs if isinstance(self.max_num_seqs, int) else 1,
             self.enforce_eager)
-        if self.tensor_parallel_size > 1 and self.compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        if self.tensor_parallel_size > 1 and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             # Each rank would capture its collectives in its own graphs; not built here.
             if self.cudagraph_mode_asked:
                 raise ValueError("compilation_config.cudagraph_mode must be NONE when tensor_parallel_size > 1, "
-                                 f"got {self.compilation.cudagraph_mode.name}")
-            self.compilation.cudagraph_mode = CUDAGraphMode.NONE
+                                 f"got {self.compilation_config.cudagraph_mode.name}")
+            self.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None (decide by device) or a bool, "
                              f"got {self.async_scheduling!r}")
@@ -160,9 +170,9 @@ class EngineConfig:
         # runs synchronously here for now: its pass 1 needs the step's tokens on the host.
         # A batch-size schedule of draft lengths (num_speculative_tokens_per_batch_size) breaks
         # that known length too; the measured one ("auto", the default) gives way below.
-        spec_ok = self.speculative is None or (self.speculative.method == "draft_model"
-                                               and self.speculative.num_speculative_tokens_per_batch_size
-                                               in (None, "auto"))
+        spec = self.speculative_config
+        spec_ok = spec is None or (spec.method == "draft_model"
+                                   and spec.num_speculative_tokens_per_batch_size in (None, "auto"))
         blockers = [(name, value) for name, value, ok in (
             ("tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
             ("speculative_config", self.speculative_config, spec_ok),
@@ -174,14 +184,14 @@ class EngineConfig:
             raise ValueError(f"async_scheduling=True needs {name} unset (1 for tensor_parallel_size; "
                              f"for speculative_config, method 'draft_model' without "
                              f"num_speculative_tokens_per_batch_size is allowed), got {value!r}")
-        if self.speculative is not None and self.speculative.num_speculative_tokens_per_batch_size == "auto" \
+        if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto" \
                 and (self.async_scheduling or self.tensor_parallel_size > 1):
             # Both need every step's draft length known in advance (the scheduler's placeholders;
             # ranks that would each measure their own schedule and disagree): vLLM's "always k".
             logger.info("speculative decoding: k drafts at every batch size (%s); the measured schedule "
                         "needs synchronous scheduling on one rank",
                         "async_scheduling" if self.async_scheduling else "tensor_parallel_size > 1")
-            self.speculative.num_speculative_tokens_per_batch_size = None
+            spec.num_speculative_tokens_per_batch_size = None
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):
             v = getattr(self, name)
@@ -193,7 +203,7 @@ class EngineConfig:
             raise ValueError("kv_transfer_config must be None when tensor_parallel_size > 1 (got "
                              f"tensor_parallel_size={self.tensor_parallel_size}): the KV pool is not "
                              "sharded by rank")
-        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method == "eagle":
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "eagle":
             # The head's layer would need its heads split like the target's; not built yet.
             raise ValueError("speculative_config.method 'eagle' needs tensor_parallel_size 1, got "
                              f"{self.tensor_parallel_size}")
@@ -233,16 +243,10 @@ class EngineConfig:
             # Blocks shared through the pool would be read with another engine's computed scales.
             raise ValueError("calculate_kv_scales=True needs kv_transfer_config None: each engine would "
                              "compute its own scales, so a pooled fp8 block would mean other values")
-        if torch.device(self.device).type == "cuda" and self.compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        if torch.device(self.device).type == "cuda" and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             # A captured launch keeps the scale it was captured with (1.0), not the computed one.
             raise ValueError("calculate_kv_scales=True needs compilation_config.cudagraph_mode NONE (or "
-                             "enforce_eager) on CUDA, got " + self.compilation.cudagraph_mode.name)
-
-    @property
-    def cudagraph_mode_asked(self) -> bool:
-        """True when the user named a cudagraph_mode: a mode the engine cannot run is then
-        an error, where a default one falls back."""
-        return isinstance(self.compilation_config, dict) and "cudagraph_mode" in self.compilation_config
+                             "enforce_eager) on CUDA, got " + self.compilation_config.cudagraph_mode.name)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -263,4 +267,4 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
             preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
             async_scheduling=self.async_scheduling,
-            num_spec_tokens=self.speculative.num_speculative_tokens if self.speculative is not None else 0)
+            num_spec_tokens=0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens)

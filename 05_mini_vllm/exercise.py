@@ -92,7 +92,7 @@ def compute_slot_mapping(block_table: np.ndarray, req_indices: np.ndarray, posit
 class ModelRunner:
     """The engine's model runner (same constructor and `execute_model` as the reference)."""
 
-    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
+    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_seqs: int,
                  max_model_len: int, device) -> None:
         """Given."""
         self.model, self.model_config = model, model_config
@@ -104,7 +104,7 @@ class ModelRunner:
         # Every request the runner knows (running or preempted), by id.
         self.requests: dict[str, CachedRequestState] = {}
         # The persistent batch: one row per request that has a row (see input_batch.py).
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, -(-max_model_len // block_size),
                                       self.vocab_size)
         self.sampler = Sampler()
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
@@ -113,12 +113,12 @@ class ModelRunner:
         # Not part of the exercise either: the reference runner also runs under asynchronous
         # scheduling and replays CUDA graphs; this runner is the plain, eager case of both.
         self.async_scheduling = False
-        self.model_forward = ModelForward(model, eager_config(self.device.type, max_num_reqs), self.device,
+        self.model_forward = ModelForward(model, eager_config(self.device.type, max_num_seqs), self.device,
                                           -(-max_model_len // block_size))
 
     def _make_generator(self, params):
         """Given: a seeded request's own generator (None without a seed, and for a
-        Chapter 3 scheduler's own SamplingParams, which declares no seed), on the
+        Chapter 3 scheduler's SchedulerSamplingParams, which declares no seed), on the
         logits' device."""
         seed = params.seed if isinstance(params, SamplingParams) else None
         return None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
@@ -207,7 +207,8 @@ def plug_runner(llm) -> None:
                          "multiprocess_mode=False (or MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     core = client.engine_core
     cfg = core.config
-    for field, off in (("speculative_config", cfg.speculative is None), ("kv_transfer_config", core.kv_connector is None),
+    for field, off in (("speculative_config", cfg.speculative_config is None),
+                       ("kv_transfer_config", core.kv_connector is None),
                        ("tensor_parallel_size", cfg.tensor_parallel_size == 1),
                        ("async_scheduling", not cfg.async_scheduling)):
         if not off:
@@ -281,7 +282,7 @@ def plug_eagle(llm) -> None:
         raise ValueError("plug_eagle: the engine core runs in another process; build the engine with "
                          "multiprocess_mode=False (or MINI_VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     core = client.engine_core
-    spec = core.config.speculative
+    spec = core.config.speculative_config
     if spec is None or spec.method != "eagle":
         raise ValueError("plug_eagle: build the engine with speculative_config={'method': 'eagle', ...}")
     if core.has_unfinished_requests():

@@ -1,6 +1,6 @@
 """Per-request sampling parameters of the engine (vLLM: `vllm/sampling_params.py`).
 
-`SamplingParams` extends Chapter 3's scheduler-facing `SamplingParams`
+`SamplingParams` extends Chapter 3's `SchedulerSamplingParams`
 (max_tokens, stop_token_ids, ignore_eos) with everything the sampler reads,
 under vLLM's field names and defaults, so a scheduler built in Chapter 3 keeps
 working on engine requests unchanged.
@@ -37,7 +37,7 @@ import os
 import enum
 from dataclasses import dataclass, field, fields
 
-from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
+from mini_vllm.scheduler import SchedulerSamplingParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5

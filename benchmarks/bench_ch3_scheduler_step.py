@@ -10,7 +10,7 @@ Run: .venv/bin/python benchmarks/bench_ch3_scheduler_step.py
 """
 import time
 
-from mini_vllm.scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from mini_vllm.scheduler import ModelRunnerOutput, Request, SchedulerSamplingParams, Scheduler, SchedulerConfig
 
 GOAL_MS = 1.0
 N = 256
@@ -22,7 +22,7 @@ def setup(policy: str) -> Scheduler:
     s = Scheduler(cfg, num_gpu_blocks=N * 40, block_size=16)
     for i in range(N):
         s.add_request(Request(f"r{i}", [i % 97 + 1] * 128,
-                              SamplingParams(max_tokens=1024, ignore_eos=True), arrival_time=i))
+                              SchedulerSamplingParams(max_tokens=1024, ignore_eos=True), arrival_time=i))
     out = s.schedule()  # admit and prefill all 256
     s.update_from_output(out, ModelRunnerOutput.from_dict({r: [1] for r in out.num_scheduled_tokens}))
     return s

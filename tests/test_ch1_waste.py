@@ -26,7 +26,7 @@ def test_trace_means_follow_thesis_ratios():
 @given(st.integers(1, 1500), st.integers(1, 500), st.sampled_from(waste.PAGED_BLOCK_SIZES))
 def test_paged_waste_is_less_than_one_block_per_request(p, o, b):
     """Paged allocation never holds a full unused block: 0 <= alloc - used < B at every iteration."""
-    req = waste.Request(p, o)
+    req = waste.TraceRequest(p, o)
     used = waste.used_slots(req)
     alloc = waste.allocation(f"Paged (B={b})", req, used)
     slack = alloc - used
@@ -37,7 +37,7 @@ def test_paged_waste_is_less_than_one_block_per_request(p, o, b):
 
 @given(st.integers(1, 1000), st.integers(1, 1000))
 def test_orca_schemes_never_under_allocate(p, o):
-    req = waste.Request(p, o)
+    req = waste.TraceRequest(p, o)
     used = waste.used_slots(req)
     for scheme in ("Orca (Max)", "Orca (Pow2)", "Orca (Oracle)"):
         assert (waste.allocation(scheme, req, used) >= used).all(), f"{scheme} holds fewer slots than tokens"
@@ -63,7 +63,7 @@ def test_waste_table_shape_and_ordering():
 
 def test_measure_on_a_hand_computed_request():
     """P=3, O=3: used = 3, 4, 5. Oracle allocates 6 each time -> 12/18; B=4 allocates 4, 4, 8 -> 12/16."""
-    trace = [waste.Request(3, 3)]
+    trace = [waste.TraceRequest(3, 3)]
     assert waste.measure(trace, "Orca (Oracle)")["effective_pct"] == pytest.approx(100 * 12 / 18), \
         "Oracle must reserve exactly prompt + output = 6 slots at each of the 3 iterations"
     assert waste.measure(trace, "Orca (Pow2)")["effective_pct"] == pytest.approx(100 * 12 / 21), \

@@ -30,7 +30,7 @@ def drive(mod, async_scheduling: bool, chunked: bool = True, num_blocks: int = 6
                               async_scheduling=async_scheduling, enable_chunked_prefill=chunked)
     s = mod.Scheduler(cfg, num_blocks, 4, enable_prefix_caching=True)
     reqs = [mod.Request(f"r{i}", [3 + (i * 5 + j) % 40 for j in range(5 + 4 * i)],
-                        mod.SamplingParams(max_tokens=4 + i, stop_token_ids=(0,)), eos_token_id=1,
+                        mod.SchedulerSamplingParams(max_tokens=4 + i, stop_token_ids=(0,)), eos_token_id=1,
                         arrival_time=float(i)) for i in range(5)]
     for r in reqs:
         s.add_request(r)
@@ -124,7 +124,7 @@ def drive_spec(mod, async_scheduling: bool):
                               async_scheduling=async_scheduling, num_spec_tokens=K)
     s = mod.Scheduler(cfg, 64, 4, enable_prefix_caching=True)
     reqs = [mod.Request(f"r{i}", [3 + (i * 5 + j) % 40 for j in range(5 + 4 * i)],
-                        mod.SamplingParams(max_tokens=9 + i, stop_token_ids=(0,)), eos_token_id=1,
+                        mod.SchedulerSamplingParams(max_tokens=9 + i, stop_token_ids=(0,)), eos_token_id=1,
                         arrival_time=float(i), spec_decode=i != 2) for i in range(5)]
     for r in reqs:
         s.add_request(r)
@@ -200,7 +200,7 @@ def test_a_mid_prefill_chunk_gets_no_placeholder_drafts(mod):
     cfg = mod.SchedulerConfig(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4,
                               async_scheduling=True, num_spec_tokens=K)
     s = mod.Scheduler(cfg, 64, 4, enable_prefix_caching=False)
-    req = mod.Request("long", list(range(3, 23)), mod.SamplingParams(max_tokens=4), eos_token_id=1)
+    req = mod.Request("long", list(range(3, 23)), mod.SchedulerSamplingParams(max_tokens=4), eos_token_id=1)
     s.add_request(req)
     so = s.schedule()  # 8 of 20 prompt tokens: no sample
     assert so.num_scheduled_tokens == {"long": 8} and "long" not in so.sampling_req_ids

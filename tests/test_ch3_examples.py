@@ -21,7 +21,7 @@ def make(mod, num_blocks, block_size=4, caching=False, **cfg):
 
 
 def req(mod, rid, n_prompt, max_tokens, arrival, priority=0):
-    return mod.Request(rid, [1] * n_prompt, mod.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    return mod.Request(rid, [1] * n_prompt, mod.SchedulerSamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        eos_token_id=0, arrival_time=arrival, priority=priority)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mini_vllm.scheduler import (ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
+from mini_vllm.scheduler import (ModelRunnerOutput, Request, RequestStatus, SchedulerSamplingParams, Scheduler,
                                  SchedulerConfig)
 from mini_vllm.scheduler import cost_model, simulator
 
@@ -49,8 +49,8 @@ def two_full_requests(policy):
     4-block pool, so A's first decode token needs a block and forces a preemption."""
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=16, policy=policy),
                   num_gpu_blocks=4, block_size=4)
-    a = Request("A", list(range(10, 18)), SamplingParams(max_tokens=4), arrival_time=0.0, priority=5)
-    b = Request("B", list(range(20, 28)), SamplingParams(max_tokens=4), arrival_time=1.0, priority=0)
+    a = Request("A", list(range(10, 18)), SchedulerSamplingParams(max_tokens=4), arrival_time=0.0, priority=5)
+    b = Request("B", list(range(20, 28)), SchedulerSamplingParams(max_tokens=4), arrival_time=1.0, priority=0)
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
@@ -83,7 +83,8 @@ def test_prefix_cache_stats_count_each_admitted_request_once():
     prefix = list(range(100, 108))  # two full blocks shared by every prompt
     prompts = [prefix + list(range(200 + 10 * i, 202 + 10 * i + i)) for i in range(4)]  # lengths 10..13
     for i, p in enumerate(prompts):
-        s.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=float(i)))
+        s.add_request(Request(f"r{i}", p, SchedulerSamplingParams(max_tokens=2, ignore_eos=True),
+                              arrival_time=float(i)))
     steps = 0
     while s.has_unfinished_requests():
         out = s.schedule()
@@ -102,7 +103,8 @@ def test_prefix_cache_stats_count_each_admitted_request_once():
 def running_pair():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=32), num_gpu_blocks=16, block_size=4)
     for rid, base in (("x", 10), ("y", 40)):
-        s.add_request(Request(rid, list(range(base, base + 5)), SamplingParams(max_tokens=8, ignore_eos=True)))
+        s.add_request(Request(rid, list(range(base, base + 5)),
+                              SchedulerSamplingParams(max_tokens=8, ignore_eos=True)))
     return s, s.schedule()
 
 

@@ -18,7 +18,7 @@ def make(mod, num_blocks=64, block_size=4, caching=True, **cfg):
 
 def req(mod, rid, n_prompt, max_tokens=4, arrival=0.0, priority=0, tok=1, **sp):
     return mod.Request(rid, [tok] * n_prompt if isinstance(n_prompt, int) else n_prompt,
-                       mod.SamplingParams(max_tokens=max_tokens, **sp), eos_token_id=0,
+                       mod.SchedulerSamplingParams(max_tokens=max_tokens, **sp), eos_token_id=0,
                        arrival_time=arrival, priority=priority)
 
 

@@ -57,7 +57,7 @@ def make_machine(mod):
 
         def add_one(self, prompt, max_tokens, priority, ignore_eos):
             req = mod.Request(f"r{self.n}", prompt,
-                              mod.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                              mod.SchedulerSamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                               eos_token_id=EOS, arrival_time=float(self.n), priority=priority)
             self.n += 1
             total = len(prompt) + max_tokens

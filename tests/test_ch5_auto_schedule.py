@@ -146,7 +146,7 @@ def test_none_is_vllms_always_k_and_bad_values_are_refused():
         "None must mean vLLM's default: k drafts at every batch size, nothing measured"
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size.*auto"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, num_speculative_tokens_per_batch_size="measured")
-    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}) \
+    assert SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 2}) \
         .num_speculative_tokens_per_batch_size == "auto"
 
 
@@ -166,4 +166,4 @@ def test_the_measured_schedule_gives_way_where_the_draft_length_must_be_known():
               "two ranks kept a measured schedule: each would measure its own and they could disagree")]
     for kw, want, bug in cases:
         cfg = EngineConfig(model=m, speculative_config=dict(draft), **kw)
-        assert cfg.speculative.num_speculative_tokens_per_batch_size == want, f"{kw}: {bug}"
+        assert cfg.speculative_config.num_speculative_tokens_per_batch_size == want, f"{kw}: {bug}"

@@ -68,3 +68,19 @@ def test_against_per_token_loop(eng, batch):
     assert pos.tolist() == want_pos, "positions differ from the per-token definition"
     slots = eng.compute_slot_mapping(table, np.array(want_idx), pos, bs)
     assert slots.tolist() == want_slots, "slot mapping differs from the per-token definition"
+
+
+@given(batches())
+def test_the_same_slot_mapping_as_chapter_1(eng, batch):
+    """One concept under one name: the engine's numpy `compute_slot_mapping` (host arrays,
+    no checks: the scheduler allocated every block it schedules) is Chapter 1's checked
+    torch function. Oracle: Chapter 1's reference."""
+    import torch
+
+    from mini_vllm.paged_attention import compute_slot_mapping as chapter1_slots
+    comp, sched, table, bs = batch
+    req_idx = np.repeat(np.arange(len(sched)), sched)
+    pos = np.concatenate([np.arange(c, c + d) for c, d in zip(comp, sched)])
+    want = chapter1_slots(torch.from_numpy(table), torch.from_numpy(req_idx), torch.from_numpy(pos), bs)
+    got = eng.compute_slot_mapping(table, req_idx, pos, bs)
+    assert got.tolist() == want.tolist(), "the engine's slot mapping differs from Chapter 1's for the same batch"

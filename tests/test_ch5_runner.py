@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mini_vllm.scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
-from mini_vllm.scheduler.request import SamplingParams
+from mini_vllm.scheduler.request import SchedulerSamplingParams
 
 from runner_fakes import bare_runner
 
@@ -108,7 +108,7 @@ def test_runner_mirrors_the_scheduler(chapter, name):
     sched = Scheduler(SchedulerConfig(max_model_len=64, **cfg_kw), num_blocks, bs, enable_prefix_caching=caching)
     runner = bare_runner(chapter("engine").ModelRunner, VOCAB, num_blocks, bs, cfg_kw["max_num_seqs"])
     for i, p in enumerate(prompts()):
-        sched.add_request(Request(str(i), p, SamplingParams(max_tokens=6 + i, ignore_eos=True)))
+        sched.add_request(Request(str(i), p, SchedulerSamplingParams(max_tokens=6 + i, ignore_eos=True)))
     steps = 0
     while sched.has_unfinished_requests():
         steps += 1

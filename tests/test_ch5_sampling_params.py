@@ -6,7 +6,7 @@ import torch
 
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams, SamplingType
-from mini_vllm.scheduler import SamplingParams as SchedulerSamplingParams
+from mini_vllm.scheduler import SchedulerSamplingParams
 
 # vLLM's defaults (vllm/sampling_params.py), written out by hand.
 VLLM_DEFAULTS = dict(

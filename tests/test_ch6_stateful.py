@@ -23,7 +23,7 @@ from mini_vllm.global_cache import (GlobalCacheConnector, KVConnectorRole, KVLay
 from mini_vllm.paged_attention import allocate_kv_cache
 from mini_vllm.scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
 from mini_vllm.scheduler.mini_runner import update_block_tables
-from mini_vllm.scheduler.request import SamplingParams
+from mini_vllm.scheduler.request import SchedulerSamplingParams
 
 BS = 4
 LAYOUT = KVLayout("stateful", "float32", block_size=BS, num_layers=2, num_kv_heads=1, head_dim=2)
@@ -129,7 +129,7 @@ class GlobalCacheMachine(RuleBasedStateMachine):
         eng = self.engines[e]
         rid = f"r{self.n}"
         self.n += 1
-        req = Request(rid, PREFIXES[prefix] + tail, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        req = Request(rid, PREFIXES[prefix] + tail, SchedulerSamplingParams(max_tokens=max_tokens, ignore_eos=True),
                       cache_salt=salt)
         eng.live[rid] = req
         eng.sched.add_request(req)

@@ -9,18 +9,18 @@ in place (`replace_block_ids`), or the runner appends the new block and keeps
 writing into the shared one. Reference implementation only (no exercise variant):
 this is given plumbing, not the learner's schedule().
 """
-from mini_vllm.scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from mini_vllm.scheduler import ModelRunnerOutput, Request, SchedulerSamplingParams, Scheduler, SchedulerConfig
 
 
 def test_a_write_into_a_forked_block_replaces_the_block_table():
     s = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), 16, 4,
                   enable_prefix_caching=False)
-    parent = Request("p", list(range(3, 9)), SamplingParams(max_tokens=8))  # 6 tokens: blocks of 4 + 2
+    parent = Request("p", list(range(3, 9)), SchedulerSamplingParams(max_tokens=8))  # 6 tokens: blocks of 4 + 2
     s.add_request(parent)
     so = s.schedule()
     s.update_from_output(so, ModelRunnerOutput.from_dict({"p": [20]}))
     kv = s.kv_cache_manager
-    child = Request("c", list(range(3, 9)), SamplingParams(max_tokens=8))
+    child = Request("c", list(range(3, 9)), SchedulerSamplingParams(max_tokens=8))
     kv.fork(parent, child)  # both now hold the partial second block (ref count 2)
     shared = kv.get_block_ids("p")
     so = s.schedule()  # the parent writes position 6, inside the shared block

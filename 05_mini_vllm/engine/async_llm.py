@@ -91,7 +91,7 @@ class AsyncLLM:
         mp = engine_args.pop("multiprocess_mode", None)
         mp = multiprocessing_enabled() if mp is None else mp
         config = EngineConfig.from_kwargs(str(model), **engine_args)
-        check_checkpoint(config.model, config.quantization, config.torch_dtype)  # vLLM's errors, before the core process starts
+        check_checkpoint(config.model, config.quantization, config.dtype)  # vLLM's errors, before the core process starts
         client = AsyncMPClient(config, executor_class, in_thread=not mp)
         try:
             engine = LLMEngine(config, tok, executor_class, client=client)

@@ -84,7 +84,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Turn the front end's validated request into the scheduler's `Request`
         (vLLM's `EngineCore.add_request` after `preprocess_add_request`)."""
-        spec = self.config.speculative is not None and spec_eligible(request.sampling_params)
+        spec = self.config.speculative_config is not None and spec_eligible(request.sampling_params)
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,

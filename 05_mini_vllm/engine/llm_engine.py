@@ -54,7 +54,7 @@ class LLMEngine:
         # What the caller's process can check it checks before any engine process starts
         # (vLLM's order): a missing folder, weights or architecture raises vLLM's error here.
         # (AsyncLLM, which builds its client before this, has checked already.)
-        self.model_config = check_checkpoint(config.model, config.quantization, config.torch_dtype)
+        self.model_config = check_checkpoint(config.model, config.quantization, config.dtype)
         mp = multiprocessing_enabled() if multiprocess_mode is None else multiprocess_mode
         if client is None:
             client = SyncMPClient(config, executor_class) if mp else InprocClient(config, executor_class)

@@ -50,12 +50,12 @@ class _CachedMetadata:
 
 
 class SamplingColumns:
-    def __init__(self, max_num_reqs: int, vocab_size: int) -> None:
+    def __init__(self, max_num_seqs: int, vocab_size: int) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-        self.max_num_reqs = max_num_reqs
+        self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
-        n = max_num_reqs
+        n = max_num_seqs
         self.has_params = np.zeros(n, dtype=bool)
         self.temperature = np.zeros(n, dtype=np.float32)  # 0.0 exactly for greedy rows
         self.top_p = np.ones(n, dtype=np.float32)
@@ -83,7 +83,7 @@ class SamplingColumns:
         self.bad_words_token_ids: dict[int, list[list[int]]] = {}
         self.logit_bias: dict[int, dict[int, float]] = {}
         self._sparse = (self.generators, self.min_tokens, self.bad_words_token_ids, self.logit_bias)
-        # [max_num_reqs, V] bool, True where a row may NOT sample; allocated when
+        # [max_num_seqs, V] bool, True where a row may NOT sample; allocated when
         # the first request restricts its tokens (V may be 150k columns).
         self.allowed_token_ids_mask: torch.Tensor | None = None
         self.allowed_rows: set[int] = set()
@@ -130,7 +130,7 @@ class SamplingColumns:
             self.logit_bias[row] = params.logit_bias
         if params.allowed_token_ids:
             if self.allowed_token_ids_mask is None:
-                self.allowed_token_ids_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool)
+                self.allowed_token_ids_mask = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.bool)
             self.allowed_token_ids_mask[row] = True
             self.allowed_token_ids_mask[row, torch.tensor(params.allowed_token_ids)] = False
             self.allowed_rows.add(row)

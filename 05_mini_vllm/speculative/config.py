@@ -29,6 +29,7 @@ checked against the target's when the draft is loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +47,15 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: list | str | None = "auto"
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+    def from_any(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """None, a dict of vLLM's field names, or a SpeculativeConfig (copied: the engine
+        may adjust its schedule, which must not reach the caller's object)."""
         if d is None:
             return None
+        if isinstance(d, cls):
+            return dataclasses.replace(d)
         if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+            raise ValueError(f"speculative_config must be a dict or a SpeculativeConfig, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                  "num_speculative_tokens_per_batch_size"}
         unknown = sorted(set(d) - known)

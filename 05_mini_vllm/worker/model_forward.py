@@ -33,8 +33,8 @@ from mini_vllm.worker.cudagraph_dispatcher import CudagraphDispatcher, StaticInp
 logger = logging.getLogger("mini_vllm")
 
 
-def eager_config(device_type: str, max_num_reqs: int) -> CompilationConfig:
-    return CompilationConfig().resolve(device_type, max_num_reqs, enforce_eager=True)
+def eager_config(device_type: str, max_num_seqs: int) -> CompilationConfig:
+    return CompilationConfig().resolve(device_type, max_num_seqs, enforce_eager=True)
 
 
 class ModelForward:

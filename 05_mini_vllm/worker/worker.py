@@ -53,7 +53,7 @@ class Worker:
         self.device = torch.device(config.device)
         self.tp_group = tp_group or GroupCoordinator()  # None: one rank
         with use_tp_group(self.tp_group):  # the layers shard themselves for this rank
-            self.model, self.model_config = load_model(config.model, dtype=config.torch_dtype,
+            self.model, self.model_config = load_model(config.model, dtype=config.dtype,
                                                        device=self.device,
                                                        enable_expert_parallel=config.enable_expert_parallel,
                                                        quantization=config.quantization)
@@ -61,7 +61,7 @@ class Worker:
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = config.attention_backend or default_backend(self.device)
         set_attention_backend(self.model, self.attention_backend)
-        self.compilation = self._graph_modes_for_backend(config)
+        self.compilation_config = self._graph_modes_for_backend(config)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -69,11 +69,11 @@ class Worker:
                              f"({mc.max_position_embeddings}), got {self.max_model_len}")
         # An EAGLE head is one more attention layer in the same blocks (speculative/eagle.py).
         self.draft_head = None
-        spec = config.speculative
+        spec = config.speculative_config
         if spec is not None and spec.method == "eagle":
             from mini_vllm.models.llama_eagle import load_eagle_head
 
-            self.draft_head = load_eagle_head(spec.model, self.model, config.torch_dtype, self.device,
+            self.draft_head = load_eagle_head(spec.model, self.model, config.dtype, self.device,
                                               self.attention_backend)
         num_draft_layers = 0 if self.draft_head is None else len(self.draft_head.attention_layers())
         self.bytes_per_block = kv_bytes_per_block(mc.num_hidden_layers + num_draft_layers, config.block_size,
@@ -85,7 +85,7 @@ class Worker:
         (vLLM: the backend's `cudagraph_support`). Asked for by name with another
         backend, that is an error; by default, FULL falls back to NONE and
         FULL_AND_PIECEWISE to PIECEWISE (attention then runs eagerly between pieces)."""
-        cc = config.compilation
+        cc = config.compilation_config
         backend = get_attn_backend(self.attention_backend)
         if self.device.type != "cuda" or not cc.cudagraph_mode.has_full() or backend.full_cudagraph_support:
             return cc
@@ -160,7 +160,7 @@ class Worker:
         """Bytes the CUDA graphs will hold, measured: capture the largest size
         (its pool holds the biggest intermediates, which smaller graphs reuse),
         then the smallest (what each further graph adds), on the profiling cache."""
-        cc = self.compilation
+        cc = self.compilation_config
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return 0
         sizes = cc.cudagraph_capture_sizes
@@ -183,25 +183,26 @@ class Worker:
             mc.head_dim, cfg.kv_cache_torch_dtype, self.device,
             num_draft_layers=0 if head is None else len(head.attention_layers()),
             num_scratch_blocks=0 if head is None else EagleProposer.scratch_blocks_needed(
-                max_num_seqs, cfg.speculative.num_speculative_tokens, cfg.block_size))
+                max_num_seqs, cfg.speculative_config.num_speculative_tokens, cfg.block_size))
         if self.kv_connector is not None:  # it reads and writes these tensors in place
             self.kv_connector.register_kv_caches(self.cache_engine.gpu_cache)
-        proposer = (None if cfg.speculative is None
-                    else self._make_proposer(cfg.speculative, num_gpu_blocks))
+        proposer = (None if cfg.speculative_config is None
+                    else self._make_proposer(cfg.speculative_config, num_gpu_blocks))
         self.model_runner = ModelRunner(self.model, mc, self.cache_engine, cfg.block_size,
                                         max_num_seqs, self.max_model_len, self.device,
                                         logprobs_mode=cfg.logprobs_mode,
                                         tokenizer_path=cfg.tokenizer or cfg.model,
                                         kv_connector=self.kv_connector, proposer=proposer,
                                         async_scheduling=cfg.async_scheduling,
-                                        compilation_config=self.compilation,
-                                        spec_tokens_for_batch=None if cfg.speculative is None
-                                        else cfg.speculative.num_tokens_for_batch)
+                                        compilation_config=self.compilation_config,
+                                        spec_tokens_for_batch=None if cfg.speculative_config is None
+                                        else cfg.speculative_config.num_tokens_for_batch)
         # Scales before capture: a captured launch keeps the scale it was captured with.
         layers = self.kv_scale_layers(proposer)
         configure_kv_scales(layers, cfg.kv_cache_torch_dtype, calculate=False)
         self.model_runner.capture_model()
-        if cfg.speculative is not None and cfg.speculative.num_speculative_tokens_per_batch_size == "auto":
+        spec = cfg.speculative_config
+        if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto":
             self._measure_spec_schedule(max_num_seqs)
         if cfg.calculate_kv_scales:  # after the warm-up and measuring steps: from the first real step
             configure_kv_scales(layers, cfg.kv_cache_torch_dtype, calculate=True)
@@ -221,7 +222,7 @@ class Worker:
     def _measure_spec_schedule(self, max_num_seqs: int) -> None:
         """The default batch-size schedule of drafts (`speculative/auto_schedule.py`), from
         dummy steps timed now, after capture and before the first request."""
-        runner, k = self.model_runner, self.config.speculative.num_speculative_tokens
+        runner, k = self.model_runner, self.config.speculative_config.num_speculative_tokens
         start = time.perf_counter()
         schedule = AutoSchedule(k, measure_break_even(runner, k, max_num_seqs), runner.spec_verifier.totals)
         runner.spec_tokens_for_batch = schedule
@@ -239,7 +240,7 @@ class Worker:
         if spec.method == "eagle":
             return EagleProposer(self.draft_head, spec.num_speculative_tokens, self.config.block_size,
                                  self.cache_engine.draft_cache[0], num_blocks, self.device)
-        draft, dcfg = load_model(spec.model, dtype=self.config.torch_dtype, device=self.device)
+        draft, dcfg = load_model(spec.model, dtype=self.config.dtype, device=self.device)
         if dcfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({dcfg.vocab_size}) must "
                              f"equal the target's ({self.model_config.vocab_size})")
@@ -272,6 +273,6 @@ class Worker:
     def spec_decoding_stats(self):
         """This rank's `metrics.stats.SpecDecodingStats` (None without speculative
         decoding); the engine core asks for it through `collective_rpc`."""
-        if self.config.speculative is None:
+        if self.config.speculative_config is None:
             return None
         return self.model_runner.spec_verifier.stats()

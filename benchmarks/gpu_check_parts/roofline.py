@@ -183,14 +183,14 @@ def model_free_schedule(reqs, num_blocks: int, block_size: int, max_num_seqs: in
     GPU run is judged by, computed on any CPU. Timestamps are step indices."""
     from mini_vllm.scheduler import Scheduler, SchedulerConfig
     from mini_vllm.scheduler.output import ModelRunnerOutput
-    from mini_vllm.scheduler.request import Request, SamplingParams
+    from mini_vllm.scheduler.request import Request, SchedulerSamplingParams
 
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len)
     sched = Scheduler(config, num_blocks, block_size, enable_prefix_caching=False)
     live = {}
     for i, (prompt, max_tokens) in enumerate(reqs):
-        r = Request(str(i), list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        r = Request(str(i), list(prompt), SchedulerSamplingParams(max_tokens=max_tokens, ignore_eos=True))
         sched.add_request(r)
         live[r.request_id] = r
     rec = ScheduleRecorder(sched)

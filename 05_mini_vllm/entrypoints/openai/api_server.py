@@ -268,7 +268,7 @@ def run_server(args, engine_kwargs: dict) -> int:
                                        **engine_kwargs)
     core, cfg = engine.engine, engine.engine.config
     stat_logger.set_cache_config_info(block_size=cfg.block_size, num_gpu_blocks=core.num_gpu_blocks,
-                                      num_cpu_blocks=core.num_cpu_blocks, cache_dtype=str(cfg.dtype),
+                                      num_cpu_blocks=core.num_cpu_blocks, cache_dtype=cfg.kv_cache_dtype,
                                       enable_prefix_caching=cfg.enable_prefix_caching)
     app = build_app(engine, names, args.model, stat_logger, api_key,
                     _read_chat_template(args.chat_template), args.exclude_tools_when_tool_choice_none)
