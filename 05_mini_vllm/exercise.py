@@ -48,7 +48,12 @@ import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata  # noqa: F401
 from mini_vllm.forward_context import set_forward_context  # noqa: F401
-from mini_vllm.worker.input_batch import CachedRequestState, InputBatch  # noqa: F401
+from mini_vllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs  # noqa: F401
+from mini_vllm.worker.async_output import HostStaging
+from mini_vllm.worker.drafter import Drafter
+from mini_vllm.worker.step_outputs import StepOutputs, StepSampler
+from mini_vllm.speculative.verifier import SpecVerifier
+from mini_vllm.structured_output import StructuredOutputs
 from mini_vllm.worker.model_forward import ModelForward, eager_config
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sampling_params import SamplingParams
@@ -109,10 +114,16 @@ class ModelRunner:
         self.sampler = Sampler()
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every attention layer reads and writes its own (K, V) pair
-        self.kv_connector = self.proposer = None  # not part of the exercise (see plug_runner)
-        # Not part of the exercise either: the reference runner also runs under asynchronous
-        # scheduling and replays CUDA graphs; this runner is the plain, eager case of both.
-        self.async_scheduling = False
+        self.kv_connector = None  # not part of the exercise (see plug_runner)
+        # Not part of the exercise either: what speculative decoding, structured outputs and
+        # asynchronous scheduling add to a step plugs into the reference runner through these
+        # three parts; here they are the plain case (no drafts, tokens back within the step),
+        # and the reference's methods run on this runner unchanged.
+        self.drafter = Drafter(self.requests, self.input_batch, max_model_len)
+        self.step_sampler = StepSampler(self.sampler, SpecVerifier(self.device),
+                                        StructuredOutputs(None, self.vocab_size), self.requests, self.input_batch)
+        self.staging = HostStaging(self.device, max_num_seqs)
+        self.outputs = StepOutputs(model, self.step_sampler, self.drafter, append_own_tokens=False)
         self.model_forward = ModelForward(model, eager_config(self.device.type, max_num_seqs), self.device,
                                           -(-max_model_len // block_size))
 

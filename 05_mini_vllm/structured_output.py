@@ -12,7 +12,8 @@ How it plugs into the engine:
   schema or regex that does not compile, or that accepts no output at all (its
   first step allows no token, not even the end), is a ValueError (a 400) before
   the request is queued; the compiler caches it for the runner.
-- The model runner keeps one `Grammar` per constrained request. Before each
+- The model runner keeps one `Grammar` per constrained request (`StructuredOutputs`,
+  which the runner's `StepSampler` asks for each step's bitmask). Before each
   sampling step it feeds the matcher the output tokens it has not seen (from
   the runner's own token list, which the scheduler keeps exact on every rank),
   then fills that request's row of one bitmask for the whole batch; the
@@ -154,3 +155,31 @@ class Grammar:
                 bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 two's complement
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputs:
+    """The runner's grammars, one per constrained request, built on its first sampling step."""
+
+    def __init__(self, tokenizer_path: str | None, vocab_size: int) -> None:
+        self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
+        self.grammars: dict[str, Grammar] = {}
+
+    def bitmask(self, states) -> torch.Tensor | None:
+        """One bitmask row per sampling request (`states`: their `CachedRequestState`s, in
+        the rows' order); None when none is constrained, so unconstrained batches pay nothing."""
+        rows = [(j, st) for j, st in enumerate(states) if st.sampling_params.structured_outputs is not None]
+        if not rows:
+            return None
+        backend = get_backend(self.tokenizer_path, self.vocab_size)
+        bitmask = backend.allocate_bitmask(len(states))
+        for j, st in rows:
+            g = self.grammars.get(st.req_id)
+            if g is None:
+                g = self.grammars[st.req_id] = backend.new_grammar(st.sampling_params.structured_outputs)
+            g.advance(st.output_token_ids)
+            g.fill_bitmask(bitmask, j)
+        return bitmask
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: its matcher goes."""
+        self.grammars.pop(req_id, None)

@@ -8,6 +8,8 @@ from mutants.core import Mutant
 PREP = "05_mini_vllm/worker/prepare_inputs.py"
 OPS = "05_mini_vllm/sample/ops/topk_topp.py"
 RUNNER = "05_mini_vllm/worker/model_runner.py"
+STEP_OUT = "05_mini_vllm/worker/step_outputs.py"
+ASYNC_OUT = "05_mini_vllm/worker/async_output.py"
 INPUTS = ["tests/test_ch5_prepare_inputs.py"]
 FILTERS = ["tests/test_ch5_sampler_filters.py"]
 API = ["tests/test_ch5_engine_api.py"]
@@ -128,7 +130,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="spec_rows_shifted",
-        path=RUNNER,
+        path=STEP_OUT,
         old="(spec_rows.extend(range(row, row + k + 1)) if k else plain_rows.append(row))",
         new="(spec_rows.extend(range(row + 1, row + k + 2)) if k else plain_rows.append(row))",
         tests=["tests/test_ch5_spec_decode.py::test_greedy_identical_to_no_speculation"],
@@ -163,8 +165,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runner_forgets_its_own_tokens",
-        path=RUNNER,
-        old="            self._append_sampled(pending.lists()[0])",
+        path=ASYNC_OUT,
+        old="            self.sampler.input_batch.append_sampled(self.sampler.requests, pending.lists()[0])",
         new="            pending.lists()",
         tests=[ASYNC + "::test_async_scheduling_gives_the_synchronous_tokens[plain]"],
         why="a deferred step's tokens never reach the runner's host state: the runner waits for the scheduler "
@@ -172,10 +174,10 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runner_forgets_its_own_tokens_with_drafts",
-        path=RUNNER,
-        old="""        if self.async_scheduling:
-            self._append_sampled(sampled)""",
-        new="""        if self.async_scheduling:
+        path=STEP_OUT,
+        old="""        if self.append_own_tokens:
+            self.sampler.input_batch.append_sampled(self.sampler.requests, sampled)""",
+        new="""        if self.append_own_tokens:
             pass""",
         tests=[ASYNC + "::test_async_scheduling_with_a_draft_model[plain]"],
         why="under async speculation the runner waits for the scheduler to send tokens it sampled itself: "
@@ -183,9 +185,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="pending_tokens_not_fed_back",
-        path=RUNNER,
-        old="            ids_d[dst_d] = self.pending.tokens[src_d]",
-        new="            pass",
+        path=ASYNC_OUT,
+        old="        input_ids[dst] = self.pending.tokens[src]",
+        new="        pass",
         tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
         why="the step prepared while the previous step's tokens are pending reads the stale host entry at "
             "their positions instead of the tokens on the device",
@@ -210,7 +212,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="every_step_waits_for_the_last_tokens",
-        path=RUNNER,
+        path=ASYNC_OUT,
         old="        if self.pending is not None and any(",
         new="        if self.pending is not None and 1 or self.pending is not None and any(",
         tests=[ASYNC + "::test_the_next_step_reads_the_last_tokens_on_the_device"],
@@ -220,7 +222,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runner_reads_the_optimistic_positions",
         path=RUNNER,
-        old="            if self.async_drafts is None or cr.resumed_from_preemption:",
+        old="            if not self.drafter.keeps_computed_counts or cr.resumed_from_preemption:",
         new="            if True:",
         tests=[ASYNC + "::test_async_scheduling_with_a_draft_model[plain]"],
         why="under async speculation the runner takes the scheduler's count, which assumes every draft in "

@@ -17,6 +17,7 @@ from engine_utils import ALWAYS_DRAFT, assert_pool_full, make_llm, model_runner
 from mini_vllm import SamplingParams
 from mini_vllm.course.tiny_models import model_path
 from mini_vllm.sampling_params import StructuredOutputsParams
+from mini_vllm.worker.async_output import DeferredOutputs
 
 PROMPTS = [list(range(300 + 7 * i, 330 + 11 * i)) for i in range(6)]
 
@@ -170,7 +171,7 @@ def test_the_next_step_reads_the_last_tokens_on_the_device():
         prepare = runner._prepare_inputs
 
         def spy(so):
-            pending_at_prepare.append(runner.pending is not None)
+            pending_at_prepare.append(isinstance(runner.outputs, DeferredOutputs) and runner.outputs.pending is not None)
             return prepare(so)
 
         runner._prepare_inputs = spy

@@ -110,12 +110,12 @@ def test_the_engine_measures_a_schedule_and_follows_it():
     llm = make_llm(multiprocess_mode=False, max_num_seqs=8,
                    speculative_config={"method": "eagle", "model": EAGLE, "num_speculative_tokens": 3})
     runner = model_runner(llm)
-    schedule = runner.spec_tokens_for_batch
+    schedule = runner.drafter.spec_tokens_for_batch
     assert isinstance(schedule, AutoSchedule), f"no measured schedule was installed: {schedule!r}"
     assert schedule.batch_sizes[0] == 1 and schedule.batch_sizes == sorted(schedule.batch_sizes)
     assert schedule.batch_sizes[-1] <= 8 and all(c > 0 for c in schedule.costs)
     schedule.costs = [1.0] + [10.0] * (len(schedule.costs) - 1)
-    totals = runner.spec_verifier.totals
+    totals = runner.step_sampler.verifier.totals
     assert run_greedy(llm, PROMPTS[:1], 24) == want[:1], "greedy tokens changed under speculation"
     drafted = totals.num_draft_sequences
     assert drafted > 0, "a lone request did not draft although batch 1's break-even is 1.0"
@@ -132,7 +132,7 @@ def test_every_method_gets_a_measured_schedule(spec):
     serves with the schedule it measured: the plain engine's greedy tokens."""
     want = run_greedy(make_llm(multiprocess_mode=False), PROMPTS[:2], 16)
     llm = make_llm(multiprocess_mode=False, max_num_seqs=4, speculative_config=spec)
-    schedule = model_runner(llm).spec_tokens_for_batch
+    schedule = model_runner(llm).drafter.spec_tokens_for_batch
     assert isinstance(schedule, AutoSchedule) and schedule.batch_sizes[0] == 1, f"{spec['method']}: {schedule!r}"
     assert run_greedy(llm, PROMPTS[:2], 16) == want, f"{spec['method']}: greedy tokens changed under the schedule"
 
@@ -141,8 +141,8 @@ def test_none_is_vllms_always_k_and_bad_values_are_refused():
     llm = make_llm(multiprocess_mode=False, speculative_config={
         "method": "eagle", "model": EAGLE, "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": None})
     runner = model_runner(llm)
-    assert not isinstance(runner.spec_tokens_for_batch, AutoSchedule) \
-        and [runner.num_drafts_after(b) for b in (1, 2, 64, 256)] == [2] * 4, \
+    assert not isinstance(runner.drafter.spec_tokens_for_batch, AutoSchedule) \
+        and [runner.drafter.num_drafts_after(b) for b in (1, 2, 64, 256)] == [2] * 4, \
         "None must mean vLLM's default: k drafts at every batch size, nothing measured"
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size.*auto"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, num_speculative_tokens_per_batch_size="measured")

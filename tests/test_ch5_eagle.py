@@ -96,17 +96,17 @@ def test_paged_head_equals_the_plain_pytorch_reference(random_head, backend):
 
 def _record_drafts(llm, monkeypatch) -> list[tuple[str, list[int], list[int]]]:
     """Wraps the runner's EAGLE call: (request, its tokens when drafting, the drafts)."""
-    import mini_vllm.worker.model_runner as mr
+    import mini_vllm.worker.eagle_drafter as ed
 
-    seen, real = [], mr.propose_eagle
+    seen, real = [], ed.propose_eagle
 
-    def spy(runner, req_ids, input_ids, positions, md, hidden, sampled):
-        out = real(runner, req_ids, input_ids, positions, md, hidden, sampled)
+    def spy(drafter, step, hidden, sampled):
+        out = real(drafter, step, hidden, sampled)
         for rid, d in out.items():
-            seen.append((rid, runner.requests[rid].token_ids + sampled[rid], list(d)))
+            seen.append((rid, drafter.requests[rid].token_ids + sampled[rid], list(d)))
         return out
 
-    monkeypatch.setattr(mr, "propose_eagle", spy)
+    monkeypatch.setattr(ed, "propose_eagle", spy)
     return seen
 
 
@@ -187,24 +187,24 @@ def test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting(monkeypat
     * a fresh request drafts, and its drafts are the reference chain's (which reads the
       head's KV of every earlier position, in blocks the first requests may have freed);
     * every request's tokens are those of the engine without speculation."""
-    import mini_vllm.worker.model_runner as mr
+    import mini_vllm.worker.eagle_drafter as ed
     from mini_vllm.models.llama_eagle import EagleLlamaForCausalLM
 
     llm = eagle_llm(chapter, 4, per_batch_size=[[1, 2, 4], [3, 64, 0]], block_size=8, enable_prefix_caching=True)
     seen, steps, head_calls = _record_drafts(llm, monkeypatch), [], [0]
-    recording, head_forward = mr.propose_eagle, EagleLlamaForCausalLM.forward  # the first: _record_drafts' spy
+    recording, head_forward = ed.propose_eagle, EagleLlamaForCausalLM.forward  # the first: _record_drafts' spy
 
-    def count(runner, req_ids, *a):
+    def count(drafter, step, *a):
         before = head_calls[0]
-        out = recording(runner, req_ids, *a)
-        steps.append((len(req_ids), sum(len(d) for d in out.values()), head_calls[0] - before))
+        out = recording(drafter, step, *a)
+        steps.append((len(step.req_ids), sum(len(d) for d in out.values()), head_calls[0] - before))
         return out
 
     def counted_forward(self, *a, **kw):
         head_calls[0] += 1
         return head_forward(self, *a, **kw)
 
-    monkeypatch.setattr(mr, "propose_eagle", count)
+    monkeypatch.setattr(ed, "propose_eagle", count)
     monkeypatch.setattr(EagleLlamaForCausalLM, "forward", counted_forward)
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 20, 60, 70)]
     prompts = code_prompts() + [list(range(40, 60))]

@@ -278,7 +278,7 @@ def test_runner_metadata_equals_from_params_under_preemption(mode):
             _, _, _, req_ids, _, sample_req = runner._prepare_inputs(so)
             rids = [req_ids[i] for i in sample_req]
             states = [runner.requests[r] for r in rids]
-            got = runner._sampling_metadata(states, "cpu")
+            got = runner.step_sampler.metadata(states, "cpu")
             want = SamplingMetadata.from_params(
                 [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
                 [s.output_token_ids for s in states], [s.generator for s in states],

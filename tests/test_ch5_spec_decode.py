@@ -47,11 +47,12 @@ def assert_draft_kv_freed(llm) -> None:
 
     core = llm.llm_engine.engine_core.engine_core
     runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
-    if not isinstance(runner.proposer, DraftModelProposer):
+    proposer = runner.drafter.proposer
+    if not isinstance(proposer, DraftModelProposer):
         return  # Chapter 4's n-gram lookup keeps nothing per request
-    stale = sorted(set(runner.proposer.blocks) - set(runner.input_batch.req_id_to_index))
+    stale = sorted(set(proposer.blocks) - set(runner.input_batch.req_id_to_index))
     assert not stale, (f"draft KV blocks leaked: requests {stale} left the batch but still hold "
-                       f"{sum(len(runner.proposer.blocks[r]) for r in stale)} draft blocks (never freed)")
+                       f"{sum(len(proposer.blocks[r]) for r in stale)} draft blocks (never freed)")
 
 
 @pytest.mark.parametrize("method", METHODS)

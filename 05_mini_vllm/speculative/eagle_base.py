@@ -52,7 +52,7 @@ class EagleProposerBase:
         self.num_cache_blocks = kv_cache[0].shape[0]  # pool blocks + scratch blocks
         self.scratch_per_row = -(-k // block_size) + 1
         # Which pool blocks lack the head's KV (steps that drafted nothing skip the head);
-        # read and written by the runner's side (worker/eagle_inputs.py), never by propose.
+        # read and written by the runner's side (worker/eagle_drafter.py), never by propose.
         self.head_kv = HeadKvTracker(num_pool_blocks, block_size)
         for layer in head.attention_layers():
             layer.kv_cache = kv_cache

@@ -18,7 +18,7 @@ scheduling and no speculative decoding:
   goes, uploaded without a wait (`HostStaging`), and that entry is overwritten on
   the device from N's tensor (`feedback_indices`);
 * only after N + 1's kernels are queued does the runner wait for N's copy and
-  append N's tokens to its host-side state (`ModelRunner._settle`), so the device
+  append N's tokens to its host-side state (`DeferredOutputs.settle`), so the device
   always has the next step queued behind the one it runs.
 
 Invariants: when a step starts, at most one earlier output is unsettled (the
@@ -34,8 +34,10 @@ import threading
 import numpy as np
 import torch
 
+from mini_vllm.sample.param_effects import reads_history
 from mini_vllm.scheduler import ModelRunnerOutput
-from mini_vllm.worker.prompt_logprobs import prompt_logprobs_dict
+from mini_vllm.worker.input_batch import StepInputs
+from mini_vllm.worker.step_outputs import OutputMode, StepSampler, prompt_logprobs_dict
 
 
 class HostStaging:
@@ -185,23 +187,57 @@ def feedback_indices(pending: DeferredStepOutput, req_ids: list[str], num_tokens
     return dst, src
 
 
-def defer_step(runner, hidden: torch.Tensor, md, req_ids: list[str], logit_rows: torch.Tensor,
-               sample_req: list[int]) -> DeferredStepOutput:
-    """The end of a deferred step (`ModelRunner.execute_model`): sample on the device
-    and return without waiting. The tokens' copy to the host is queued behind this
-    step's kernels, and only then is the previous step settled (its copy was queued
-    before them, so that wait is for it alone)."""
-    rids = [req_ids[i] for i in sample_req]
-    tokens = lp = None
-    counts: dict[str, int] = {}
-    if rids:
-        states, out = runner._sample_on_device(runner.model.compute_logits(hidden.index_select(0, logit_rows)), rids)
-        tokens, lp = out.sampled_token_ids, out.logprobs_tensors
-        if lp is not None:
-            counts = {st.req_id: st.sampling_params.logprobs for st in states
-                      if st.sampling_params.logprobs is not None}
-    plps = prompt_logprobs_dict(runner.model, runner.requests, hidden, req_ids, md)
-    deferred = DeferredStepOutput(req_ids, rids, tokens, runner.staging, lp, counts, plps)
-    runner._settle()
-    runner.pending = deferred
-    return deferred
+class DeferredOutputs(OutputMode):
+    """The output mode of asynchronous scheduling without speculation: `finish` samples
+    on the device and returns a `DeferredStepOutput` at once; `pending` is the previous
+    step's output until its tokens are appended to the request states (settled)."""
+
+    def __init__(self, model, sampler: StepSampler, staging: HostStaging) -> None:
+        self.model, self.sampler, self.staging = model, sampler, staging
+        self.pending: DeferredStepOutput | None = None
+
+    def before_step(self, so) -> None:
+        requests = self.sampler.requests
+        if self.pending is not None and any(
+                r in so.num_scheduled_tokens and reads_history(requests[r].sampling_params)
+                for r in self.pending.index if r in requests):
+            self.settle()  # this step's sampling reads the pending tokens on the host
+
+    def settle(self) -> None:
+        """Append the pending step's tokens to the requests and their rows (waits for
+        its copy to the host); a request that finished meanwhile is skipped."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.sampler.input_batch.append_sampled(self.sampler.requests, pending.lists()[0])
+
+    def pending_rows(self, req_ids, num_tokens, computed, num_sched, query_start_loc):
+        if self.pending is None:
+            return [], []
+        return feedback_indices(self.pending, req_ids, num_tokens, computed, num_sched, query_start_loc)
+
+    def feed_back(self, input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        input_ids[dst] = self.pending.tokens[src]
+
+    def empty(self) -> ModelRunnerOutput:
+        self.settle()
+        return ModelRunnerOutput([], {}, [])
+
+    def finish(self, step: StepInputs, hidden: torch.Tensor) -> DeferredStepOutput:
+        """Sample on the device and return without waiting. The tokens' copy to the host
+        is queued behind this step's kernels, and only then is the previous step settled
+        (its copy was queued before them, so that wait is for it alone)."""
+        rids = [step.req_ids[i] for i in step.sample_req]
+        tokens = lp = None
+        counts: dict[str, int] = {}
+        if rids:
+            states, out = self.sampler.sample_on_device(
+                self.model.compute_logits(hidden.index_select(0, step.logit_rows)), rids)
+            tokens, lp = out.sampled_token_ids, out.logprobs_tensors
+            if lp is not None:
+                counts = {st.req_id: st.sampling_params.logprobs for st in states
+                          if st.sampling_params.logprobs is not None}
+        plps = prompt_logprobs_dict(self.model, self.sampler.requests, hidden, step)
+        deferred = DeferredStepOutput(step.req_ids, rids, tokens, self.staging, lp, counts, plps)
+        self.settle()
+        self.pending = deferred
+        return deferred

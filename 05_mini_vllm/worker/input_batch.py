@@ -18,18 +18,33 @@ Invariants:
 * `requests` keeps the state of every unfinished request the runner knows,
   including preempted ones that have no row (a swapped-out request comes back
   with a new block table but the same tokens and generator).
+
+`StepInputs` is the flat batch one step builds from these rows
+(`ModelRunner._prepare_inputs`): the typed input every later part of the step
+reads (the forward pass, the sampler, the drafter, the output mode).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sample.sampling_columns import SamplingColumns
 from mini_vllm.sampling_params import SamplingParams
 
+
+class StepInputs(NamedTuple):
+    """One step's flat inputs. A tuple, so a runner's `_prepare_inputs` may return the six values plainly."""
+    input_ids: torch.Tensor  # [T] int64 on the device: the scheduled tokens, request after request
+    positions: torch.Tensor  # [T] int64: their absolute positions
+    attn_metadata: AttentionMetadata  # slots, block tables, query starts, sequence lengths
+    req_ids: list[str]  # the scheduled requests, in batch order
+    logit_rows: torch.Tensor  # [R] int64: the flat rows whose logits are computed
+    sample_req: list[int]  # indices into req_ids of the requests that sample, ascending
 
 @dataclass
 class CachedRequestState:
@@ -104,6 +119,19 @@ class InputBatch:
         start = int(self.num_tokens[row])
         self.token_ids_cpu[row, start:start + len(token_ids)] = token_ids
         self.num_tokens[row] = start + len(token_ids)
+
+    def append_sampled(self, requests: dict[str, CachedRequestState], sampled: dict[str, list[int]]) -> None:
+        """Asynchronous scheduling: the next step computes the position of each
+        token sampled now (a placeholder to the scheduler, which counts it as
+        sent), so the runner appends it to the request's tokens itself. Steps
+        run in order, so the next step always finds it here."""
+        for rid, toks in sampled.items():
+            st = requests.get(rid)
+            if toks and st is not None:
+                st.token_ids.extend(toks)
+                row = self.req_id_to_index.get(rid)
+                if row is not None:
+                    self.append_token_ids(row, toks)
 
     def remove_request(self, req_id: str) -> None:
         """Drop a row; the last active row moves into the hole (condense)."""

@@ -79,7 +79,7 @@ def _target_step(runner, num_seqs: int, q: int):
 def _proposer_pass(runner, num_seqs: int, q: int):
     """One pass of the proposer's model over num_seqs dummy sequences of q tokens, then its LM
     head over num_seqs rows; None for the n-gram lookup, which runs no model."""
-    proposer, dev = runner.proposer, runner.device
+    proposer, dev = runner.drafter.proposer, runner.device
     if isinstance(proposer, EagleProposerBase):
         bs, blocks = proposer.bs, proposer.num_cache_blocks
         hidden = torch.zeros(num_seqs * q, runner.model_config.hidden_size,

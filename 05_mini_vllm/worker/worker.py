@@ -224,8 +224,8 @@ class Worker:
         dummy steps timed now, after capture and before the first request."""
         runner, k = self.model_runner, self.config.speculative_config.num_speculative_tokens
         start = time.perf_counter()
-        schedule = AutoSchedule(k, measure_break_even(runner, k, max_num_seqs), runner.spec_verifier.totals)
-        runner.spec_tokens_for_batch = schedule
+        schedule = AutoSchedule(k, measure_break_even(runner, k, max_num_seqs), runner.step_sampler.verifier.totals)
+        runner.drafter.spec_tokens_for_batch = schedule
         logger.info("speculative decoding: measured in %.1f s: %s; drafting while the mean acceptance length "
                     "exceeds it (num_speculative_tokens_per_batch_size=None drafts k at every batch size)",
                     time.perf_counter() - start, schedule.describe())
@@ -263,8 +263,8 @@ class Worker:
         """Rebuild the EAGLE proposer as `proposer_cls` (an `EagleProposerBase`) on the same head
         and KV tensor: how the Chapter 5 exercise plugs its own `propose` into a real engine
         (`mini_vllm.exercise.plug_eagle`), before any request."""
-        old = self.model_runner.proposer
-        self.model_runner.proposer = proposer_cls(old.head, old.k, old.bs, self.cache_engine.draft_cache[0],
+        old = self.model_runner.drafter.proposer
+        self.model_runner.drafter.proposer = proposer_cls(old.head, old.k, old.bs, self.cache_engine.draft_cache[0],
                                                   old.num_pool_blocks, self.device)
 
     def execute_model(self, scheduler_output):
@@ -275,4 +275,4 @@ class Worker:
         decoding); the engine core asks for it through `collective_rpc`."""
         if self.config.speculative_config is None:
             return None
-        return self.model_runner.spec_verifier.stats()
+        return self.model_runner.step_sampler.verifier.stats()

@@ -102,8 +102,8 @@ def _host_profile(engine, steps: int) -> list[str]:
             (mf.static, "fill_tokens", "step thread: fill_tokens"),
             (mf.static, "fill_decode_metadata", "step thread: fill_decode_metadata"),
             (runner.model, "compute_logits", "step thread: compute_logits"),
-            (runner, "_sample_on_device", "step thread: sampler"),
-            (runner, "_settle", "step thread: _settle (previous step's tokens)")]:
+            (runner.step_sampler, "sample_on_device", "step thread: sampler"),
+            (runner.outputs, "settle", "step thread: settle (previous step's tokens)")]:
         if getattr(owner, attr, None) is not None:
             timed(owner, attr, label)
     try:

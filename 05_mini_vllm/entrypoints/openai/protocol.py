@@ -101,6 +101,17 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# The SamplingParams fields a request cannot set, and why. Every other SamplingParams
+# field is a request field of the same name that reaches the engine's SamplingParams
+# (`tests/test_server_sampling_fields.py` fails on a field that is neither, and on a
+# request field whose value is dropped on its way).
+ENGINE_ONLY_SAMPLING_FIELDS = {
+    "skip_reading_prefix_cache": "an offline knob (LLM.generate); vLLM's API derives it from prompt_logprobs",
+    "detokenize": "the API always returns text",
+    "_bad_words_token_ids": "the engine's processor derives it from bad_words",
+}
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 

@@ -1,4 +1,4 @@
-"""The runner's side of EAGLE: what the step computed and kept, for the proposer.
+"""EAGLE's drafter: what the step computed and kept, for the proposer.
 
 vLLM counterpart: the EAGLE branch of `GPUModelRunner.propose_draft_token_ids`
 (`vllm/v1/worker/gpu_model_runner.py`), which hands `EagleProposer` the
@@ -23,12 +23,28 @@ import torch
 from mini_vllm.kernels.paged_checks import host_values
 from mini_vllm.speculative.eagle_base import EagleStep
 from mini_vllm.speculative.verifier import spec_eligible
+from mini_vllm.worker.drafter import Drafter
+from mini_vllm.worker.input_batch import StepInputs
 
 
-def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
+class EagleDrafter(Drafter):
+    """The drafter of an `EagleProposerBase`: its head reads this step's hidden states."""
+
+    def blocks_moved(self, so) -> None:
+        # which blocks lack the head's KV moves with them
+        self.proposer.head_kv.moved(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+
+    def propose(self, step: StepInputs, hidden: torch.Tensor,
+                sampled: dict[str, list[int]]) -> dict[str, list[int]] | None:
+        # Reads this step's hidden states (k = 0: the KV marks only).
+        return self._publish(sampled, propose_eagle(self, step, hidden, sampled))
+
+
+def propose_eagle(drafter: EagleDrafter, step: StepInputs, hidden: torch.Tensor,
                   sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-    batch, k = runner.input_batch, runner.num_drafts_after(len(req_ids))
-    tracker = runner.proposer.head_kv
+    req_ids, input_ids, positions, md = step.req_ids, step.input_ids, step.positions, step.attn_metadata
+    batch, k = drafter.input_batch, drafter.num_drafts_after(len(req_ids))
+    tracker = drafter.proposer.head_kv
     tracker.note_schedule(k, len(req_ids))
     slots_h = host_values(md.slot_mapping)  # the marks of speculative/head_kv.py are kept per slot
     if k == 0:  # the head does not run: mark what the step wrote, nothing more
@@ -50,12 +66,12 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
     for i in np.flatnonzero(run):
         rid = req_ids[i]
         q, toks = int(q_lens[i]), sampled.get(rid) or []
-        drafts = runner.step_drafts.get(rid, ())
+        drafts = drafter.step_drafts.get(rid, ())
         kept.append(q - (len(drafts) - (len(toks) - 1)) if drafts and toks else q)
-        st = runner.requests[rid]
+        st = drafter.requests[rid]
         if toks:
             nxt.append(toks[-1])
-            room = runner.max_model_len - (len(st.token_ids) + len(toks))
+            room = drafter.max_model_len - (len(st.token_ids) + len(toks))
             n_drafts.append(max(0, min(k, room)) if spec_eligible(st.sampling_params) else 0)
         else:  # a partial prefill: the prompt token after the chunk
             nxt.append(int(batch.token_ids_cpu[rows[i], md.seq_lens_cpu[i]]))
@@ -72,8 +88,8 @@ def propose_eagle(runner, req_ids: list[str], input_ids, positions, md, hidden,
                                          slots.index_select(0, tok_t.to(slots.device)), pos[tok])
         qsl = np.zeros(len(kept) + 1, dtype=np.int64)
         np.cumsum(q_lens[run], out=qsl[1:])
-    step = EagleStep(hidden=hidden, input_ids=input_ids, positions=pos, slot_mapping=slots,
+    eagle_step = EagleStep(hidden=hidden, input_ids=input_ids, positions=pos, slot_mapping=slots,
                      query_start_loc=qsl, kept=kept, next_token_ids=nxt,
                      block_table=tables[run], num_blocks=n_blocks, num_drafts=n_drafts)
-    out = runner.proposer.propose(step)
+    out = drafter.proposer.propose(eagle_step)
     return {req_ids[i]: d for i, d in zip(ran, out) if d}
