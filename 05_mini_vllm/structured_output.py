@@ -166,7 +166,7 @@ class StructuredOutputs:
 
     def bitmask(self, states) -> torch.Tensor | None:
         """One bitmask row per sampling request (`states`: their `CachedRequestState`s, in
-        the rows' order); None when none is constrained, so unconstrained batches pay nothing."""
+        the rows' order); None when none is constrained."""
         rows = [(j, st) for j, st in enumerate(states) if st.sampling_params.structured_outputs is not None]
         if not rows:
             return None
