@@ -1,6 +1,8 @@
 """Chapter 4: speculative decoding (rejection sampler and draft proposers).
 
 Public API (also exposed, partly as stubs, by `mini_vllm.spec_decode.exercise`).
+The subpackage `mini_vllm.spec_decode.engine` is Chapter 5's (the engine's config,
+proposers and verifier, in 05_mini_vllm/spec_decode/engine/); nothing here imports it.
 """
 # Absolute imports on purpose: pytest --nbmake imports this file as a top-level
 # module when it collects the chapter's notebook ("04_spec_decode" is not a

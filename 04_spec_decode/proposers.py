@@ -11,7 +11,7 @@ proposer) and `draft_model.py` / `eagle.py` (model-based proposers).
   processing as the target (`sampling.logits_to_probs`), and returns the
   draft probabilities the rejection sampler needs. It is the loop of a
   draft-model proposer without the model: Chapter 5's
-  `speculative.proposers.DraftModelProposer` (vLLM's `DraftModelProposer`)
+  `spec_decode.engine.proposers.DraftModelProposer` (vLLM's `DraftModelProposer`)
   subclasses it with a real small model on its own paged KV cache.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class NextTokenModelProposer:
     """Draft k tokens with any next-token model, sampling exactly as the target does.
 
     The model is called k times on the growing contexts (no KV cache here;
-    Chapter 5's `speculative.proposers.DraftModelProposer` plugs in a real
+    Chapter 5's `spec_decode.engine.proposers.DraftModelProposer` plugs in a real
     small model with its own paged cache). Greedy requests take the argmax,
     others sample with their own generator when one is given; an all-greedy
     batch draws no random numbers.

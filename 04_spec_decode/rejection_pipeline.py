@@ -14,7 +14,7 @@ The logits -> probabilities step plugs in too (`compute_probs=`, Chapter 4's
 distribution this step computes, so an engine passes its own sampler's
 processing: a request's tokens then follow one distribution whether a step
 verifies drafts or samples plainly (Chapter 5 passes
-`speculative.verifier.compute_probs`, vLLM's name, built on
+`spec_decode.engine.verifier.compute_probs`, vLLM's name, built on
 `mini_vllm.sample.ops.topk_topp`). `sampling` is whatever that function
 reads, plus `is_greedy` [B] and `validate(batch)`.
 """

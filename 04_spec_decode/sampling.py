@@ -6,7 +6,7 @@ vLLM counterpart: `vllm/v1/sample/ops/topk_topp_sampler.py` (top-k/top-p masks,
 `TemperatureTopKTopP` holds only what verification reads; the engine's
 `mini_vllm.sample.metadata.SamplingMetadata` (vLLM's) holds the whole
 sampler's state. `logits_to_probs` is the processing on it; the engine's
-`speculative.verifier.compute_probs` has the same contract on the engine's
+`spec_decode.engine.verifier.compute_probs` has the same contract on the engine's
 metadata and filters.
 
 Speculative decoding is lossless only for the distribution that *both* sides

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,9 @@ from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.models.quantization import check_quantization
 from mini_vllm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from mini_vllm.scheduler import POLICIES, PREEMPTION_MODES, SchedulerConfig
-from mini_vllm.speculative.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # imported in __post_init__: importing mini_vllm does not load Chapter 4
+    from mini_vllm.spec_decode.engine.config import SpeculativeConfig
 
 logger = logging.getLogger("mini_vllm")
 
@@ -89,7 +92,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     tokenizer: str | None = None
     log_stats: bool = False
-    # vLLM's field names (spec_decode/config.py); resolved to a SpeculativeConfig or None.
+    # vLLM's field names (spec_decode/engine/config.py); resolved to a SpeculativeConfig or None.
     speculative_config: dict | SpeculativeConfig | None = None
     stats_log_interval_s: float = 5.0
     # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask
@@ -131,6 +134,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self.kv_cache_torch_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        from mini_vllm.spec_decode.engine.config import SpeculativeConfig
+
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -101,7 +101,8 @@ def main(num_requests: int = 48, max_tokens: int = 48, stream_id: str = "req-0",
         rows += [("speculative decoding", f"{speculative}, k = {spec['num_speculative_tokens']}"),
                  # num_speculative_tokens_per_batch_size left out: the engine's measured schedule
                  ("draft schedule", "measured: drafts only at batch sizes where the mean acceptance "
-                                    "length beats the break-even timed at start-up (speculative/auto_schedule.py)"),
+                                    "length beats the break-even timed at start-up "
+                                    "(spec_decode/engine/auto_schedule.py)"),
                  ("draft acceptance rate", f"{100 * s['spec_acceptance_rate']:.1f}% "
                                            f"of {s['spec_num_drafts']} draft tokens"),
                  ("acceptance per position", per_pos),

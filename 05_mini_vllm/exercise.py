@@ -37,9 +37,9 @@ parameters into the batch's sampling columns, which `_sample` reads through
 connectors, tensor parallelism, prompt logprobs and structured outputs stay
 with the reference runner (`plug_runner` and `_sample` refuse them).
 For Part 3 the head, its KV tensor and the helpers `propose` calls are given
-(`speculative/eagle_base.py`). Nothing here imports the modules that hold the
+(`spec_decode/engine/eagle_base.py`). Nothing here imports the modules that hold the
 answers (`model_runner.py`, `prepare_inputs.py`, `ops_topk_topp.py`,
-`speculative/eagle.py`).
+`spec_decode/engine/eagle.py`).
 """
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ from mini_vllm.worker.input_batch import CachedRequestState, InputBatch, StepInp
 from mini_vllm.worker.async_output import HostStaging
 from mini_vllm.worker.drafter import Drafter
 from mini_vllm.worker.step_outputs import StepOutputs, StepSampler
-from mini_vllm.speculative.verifier import SpecVerifier
+from mini_vllm.spec_decode.engine.verifier import SpecVerifier
 from mini_vllm.structured_output import StructuredOutputs
 from mini_vllm.worker.model_forward import ModelForward, eager_config
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
 from mini_vllm.engine.core_client import InprocClient
-from mini_vllm.speculative.eagle_base import EagleProposerBase, EagleStep
+from mini_vllm.spec_decode.engine.eagle_base import EagleProposerBase, EagleStep
 from mini_vllm.entrypoints.llm import LLM
 
 # ================================================================ Part 1: the runner
@@ -264,7 +264,7 @@ __all__ = ["ModelRunner", "apply_min_p", "apply_top_k_top_p", "compute_positions
 # ================================================================ Part 3: EAGLE's proposer
 # Given: the head (`self.head`: `self.head(ids, positions, hidden)` inside a forward context,
 # `self.head.compute_logits(g)`), `self._metadata`, `self._run`, `self._chain_tables`,
-# `self.k`, `self.bs`, `self.device` (speculative/eagle_base.py) and `plug_eagle`.
+# `self.k`, `self.bs`, `self.device` (spec_decode/engine/eagle_base.py) and `plug_eagle`.
 
 
 class EagleProposer(EagleProposerBase):

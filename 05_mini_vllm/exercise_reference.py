@@ -14,7 +14,7 @@ from mini_vllm.worker.prepare_inputs import compute_positions, compute_query_sta
 from mini_vllm.models.fused_moe.router import fused_topk
 
 # ---- EAGLE's proposer, plugged into a real engine ----
-from mini_vllm.speculative.eagle import EagleProposer
+from mini_vllm.spec_decode.engine.eagle import EagleProposer
 from mini_vllm.entrypoints.llm import LLM as _LLM
 
 

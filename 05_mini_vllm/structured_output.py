@@ -22,7 +22,7 @@ How it plugs into the engine:
 - After the grammar accepted a stop token (it is complete) only the stop
   tokens stay allowed, so `ignore_eos` cannot push it past its end.
 - Speculative decoding: constrained requests get no drafts (see
-  `speculative.verifier.spec_eligible`), so every token is sampled under the mask.
+  `spec_decode.engine.verifier.spec_eligible`), so every token is sampled under the mask.
 """
 from __future__ import annotations
 

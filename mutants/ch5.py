@@ -16,9 +16,9 @@ API = ["tests/test_ch5_engine_api.py"]
 ASYNC = "tests/test_ch5_async_scheduling.py"
 GRAPHS = "05_mini_vllm/worker/cudagraph_dispatcher.py"
 GRAPH_TESTS = ["tests/test_ch5_cudagraph_padding.py"]
-EAGLE = "05_mini_vllm/speculative/eagle.py"
+EAGLE = "05_mini_vllm/spec_decode/engine/eagle.py"
 EAGLE_TESTS = ["tests/test_ch5_eagle.py::test_engine_drafts_are_the_reference_chain"]
-HEAD_KV = "05_mini_vllm/speculative/head_kv.py"
+HEAD_KV = "05_mini_vllm/spec_decode/engine/head_kv.py"
 HEAD_KV_TESTS = ["tests/test_ch5_eagle.py::test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner"]
 MOE_KERNEL = "kernels/fused_moe.py"
 MOE_KERNEL_TESTS = "tests/test_kernels_fused_moe.py"
@@ -252,7 +252,7 @@ MUTANTS: list[Mutant] = [
         tests=GRAPH_TESTS,
         why="padded rows write their garbage K/V into slot 0, a real token's slot",
     ),
-    # ---- EAGLE's proposer (speculative/eagle.py): the exercise's Part 3 ----
+    # ---- EAGLE's proposer (spec_decode/engine/eagle.py): the exercise's Part 3 ----
     Mutant(
         name="eagle_ids_not_shifted",
         path=EAGLE,
@@ -294,7 +294,7 @@ MUTANTS: list[Mutant] = [
         tests=EAGLE_TESTS,
         why="the chain feeds the target's last hidden state again instead of the head's own output",
     ),
-    # ---- which blocks hold the head's KV (speculative/head_kv.py) ----
+    # ---- which blocks hold the head's KV (spec_decode/engine/head_kv.py) ----
     Mutant(
         name="eagle_gap_not_marked",
         path=HEAD_KV,
@@ -330,7 +330,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="greedy_verify_emits_the_bonus_row",
-        path="05_mini_vllm/speculative/verifier.py",
+        path="05_mini_vllm/spec_decode/engine/verifier.py",
         old="out.append(list(d[:n]) + [best[row + n]])",
         new="out.append(list(d[:n]) + [best[row + len(d)]])",
         tests=["tests/test_ch5_spec_decode.py::test_greedy_verification_gives_the_rejection_samplers_tokens"],
@@ -338,7 +338,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="auto_schedule_drafts_on_a_tie",
-        path="05_mini_vllm/speculative/auto_schedule.py",
+        path="05_mini_vllm/spec_decode/engine/auto_schedule.py",
         old="drafting = length > cost",
         new="drafting = length >= cost",
         tests=["tests/test_ch5_auto_schedule.py::test_break_even_equal_to_the_acceptance_length_does_not_draft"],
@@ -346,7 +346,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="auto_schedule_without_a_prior",
-        path="05_mini_vllm/speculative/auto_schedule.py",
+        path="05_mini_vllm/spec_decode/engine/auto_schedule.py",
         old="return float(self.k + 1)",
         new="return 1.0",
         tests=["tests/test_ch5_auto_schedule.py::test_prior_and_rounding_up_between_measured_sizes"],

@@ -62,7 +62,7 @@ from .worker.prepare_inputs import compute_positions, compute_query_start_loc, c
 from .worker.model_runner import ModelRunner as _Reference
 for _name in ("_update_states", "_prepare_inputs", "execute_model"):
     setattr(ModelRunner, _name, getattr(_Reference, _name))
-from .speculative.eagle import EagleProposer as _ReferenceEagle
+from .spec_decode.engine.eagle import EagleProposer as _ReferenceEagle
 EagleProposer.propose = _ReferenceEagle.propose
 from .models.fused_moe.router import fused_topk
 """),

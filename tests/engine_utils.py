@@ -17,7 +17,7 @@ ATTENTION_BACKEND = os.environ.get("MINI_VLLM_TEST_ATTENTION_BACKEND") or None
 
 
 # vLLM's default for num_speculative_tokens_per_batch_size: k drafts at every batch size. The
-# engine's own default measures a schedule at start-up (speculative/auto_schedule.py), so a
+# engine's own default measures a schedule at start-up (spec_decode/engine/auto_schedule.py), so a
 # test that counts drafts or compares them with vLLM passes this to keep them independent of timing.
 ALWAYS_DRAFT = {"num_speculative_tokens_per_batch_size": None}
 

@@ -1,5 +1,5 @@
 """The engine's measured default for dynamic speculative decoding
-(`speculative/auto_schedule.py`, `worker/spec_profile.py`).
+(`spec_decode/engine/auto_schedule.py`, `worker/spec_profile.py`).
 
 Oracles: the rule written out by hand on made-up costs (no test here reads a
 clock: the profiler's timings are replaced by known costs, and the engine's
@@ -13,8 +13,8 @@ import pytest
 from engine_utils import make_llm, model_runner, run_greedy
 from mini_vllm.course.tiny_models import model_path
 from mini_vllm.metrics.stats import SpecDecodingStats
-from mini_vllm.speculative.auto_schedule import MIN_DRAFT_SEQUENCES, AutoSchedule
-from mini_vllm.speculative.config import SpeculativeConfig
+from mini_vllm.spec_decode.engine.auto_schedule import MIN_DRAFT_SEQUENCES, AutoSchedule
+from mini_vllm.spec_decode.engine.config import SpeculativeConfig
 import mini_vllm.worker.spec_profile as spec_profile
 
 EAGLE = str(model_path("tiny-py-eagle"))

@@ -1,4 +1,4 @@
-"""EAGLE speculative decoding in the engine (`speculative/eagle.py`, `models/llama_eagle.py`).
+"""EAGLE speculative decoding in the engine (`spec_decode/engine/eagle.py`, `models/llama_eagle.py`).
 
 Oracles:
 * the plain-PyTorch head of `training/eagle_head.py` (dense attention, one
@@ -180,7 +180,7 @@ def test_engine_drafts_are_the_reference_chain(monkeypatch, chapter):
 def test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting(monkeypatch, chapter):
     """Dynamic speculation (num_speculative_tokens_per_batch_size): no drafts after a step
     of 3 or more requests, 4 after a step of 1 or 2, and no head pass at all in a step that
-    drafts nothing (speculative/head_kv.py). Then:
+    drafts nothing (spec_decode/engine/head_kv.py). Then:
     * the requests computed in such steps lack the head's KV there, so they draft no more,
       even once fewer than 3 remain;
     * a request whose prompt hits blocks written by them drafts nothing either;
@@ -233,8 +233,8 @@ def test_no_head_at_large_batches_and_requests_with_gaps_stop_drafting(monkeypat
 
 
 def test_head_kv_tracker_marks_blocks_and_clears_them_for_a_new_owner():
-    """speculative/head_kv.py on its own: block size 4, two rows with tables [3, 5] and [7, 2]."""
-    from mini_vllm.speculative.head_kv import HeadKvTracker
+    """spec_decode/engine/head_kv.py on its own: block size 4, two rows with tables [3, 5] and [7, 2]."""
+    from mini_vllm.spec_decode.engine.head_kv import HeadKvTracker
 
     t = HeadKvTracker(num_blocks=8, block_size=4)
     tables = np.array([[3, 5], [7, 2]])

@@ -10,7 +10,7 @@ import torch
 
 from mini_vllm.compilation.config import CompilationConfig, CUDAGraphMode
 from mini_vllm.config import EngineConfig
-from mini_vllm.speculative.config import SpeculativeConfig
+from mini_vllm.spec_decode.engine.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 

@@ -143,7 +143,7 @@ def test_every_sampling_field_declares_its_effect():
 @pytest.mark.parametrize("kwargs,spec_ok,history", ONE_PARAM, ids=lambda v: str(v))
 def test_param_effects_drive_drafts_and_history(kwargs, spec_ok, history):
     from mini_vllm.sample.param_effects import reads_history
-    from mini_vllm.speculative.verifier import spec_eligible
+    from mini_vllm.spec_decode.engine.verifier import spec_eligible
     p = SamplingParams(**kwargs)
     assert spec_eligible(p) == spec_ok, (
         f"{kwargs}: drafts {'refused' if spec_ok else 'given'}; a parameter the verifier does not rebuild "
@@ -155,7 +155,7 @@ def test_param_effects_drive_drafts_and_history(kwargs, spec_ok, history):
 
 def test_defaults_and_empty_collections_are_off():
     from mini_vllm.sample.param_effects import reads_history
-    from mini_vllm.speculative.verifier import spec_eligible
+    from mini_vllm.spec_decode.engine.verifier import spec_eligible
     for p in (SamplingParams(), SamplingParams(stop=[], logit_bias={}, allowed_token_ids=None, top_k=-1)):
         assert spec_eligible(p) and not reads_history(p), \
             f"{p}: a default or empty parameter counted as in use"

@@ -39,11 +39,11 @@ def code_prompts():
 
 
 def assert_draft_kv_freed(llm) -> None:
-    """The draft model's own KV (`speculative.proposers.DraftModelProposer`) is
+    """The draft model's own KV (`spec_decode.engine.proposers.DraftModelProposer`) is
     held only for requests in the persistent batch: a finished or preempted
     request's draft blocks come back as soon as the runner hears of it (the
     next step's SchedulerOutput, so the last requests of a run still hold theirs)."""
-    from mini_vllm.speculative.proposers import DraftModelProposer
+    from mini_vllm.spec_decode.engine.proposers import DraftModelProposer
 
     core = llm.llm_engine.engine_core.engine_core
     runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
@@ -267,7 +267,7 @@ def test_verification_filters_with_the_engine_sampler():
     from mini_vllm.sample.metadata import SamplingMetadata
     from mini_vllm.sample.ops.topk_topp import apply_top_k_top_p
     from mini_vllm.spec_decode import apply_top_k_top_p_pytorch as ch4_top_k_top_p
-    from mini_vllm.speculative.verifier import SpecVerifier, compute_probs
+    from mini_vllm.spec_decode.engine.verifier import SpecVerifier, compute_probs
 
     params = [SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=0), SamplingParams(top_p=0.6)]
     md = SamplingMetadata.from_params(params, [[1]] * 3, [[]] * 3, [None] * 3, [None] * 3, vocab_size=5)
@@ -293,7 +293,7 @@ def test_greedy_verification_gives_the_rejection_samplers_tokens():
     accepted drafts, for drafts that match for 0..k positions."""
     from mini_vllm.sample.metadata import SamplingMetadata
     from mini_vllm.spec_decode import PLACEHOLDER_TOKEN_ID, SpecDecodeMetadata
-    from mini_vllm.speculative.verifier import SpecVerifier
+    from mini_vllm.spec_decode.engine.verifier import SpecVerifier
 
     g = torch.Generator().manual_seed(0)
     ks, vocab = [3, 3, 3, 3, 1, 2], 50

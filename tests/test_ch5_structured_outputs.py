@@ -132,7 +132,7 @@ def test_unconstrained_text_would_fail_the_checks():
 
 
 def test_speculative_decoding_serves_constrained_requests_without_drafts():
-    """Constrained requests get no drafts (speculative.verifier.spec_eligible): the grammar
+    """Constrained requests get no drafts (spec_decode.engine.verifier.spec_eligible): the grammar
     applies to every token, and greedy output equals the run without speculation."""
     so = SO(json=SCHEMA, disable_any_whitespace=True)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=so)

@@ -146,7 +146,7 @@ EAGLE_LENGTH_TOL = 0.03
 def eagle_phase(logprobs: int | None = 5) -> dict:
     """32 corpus prompts (16-300 tokens) continued greedily for 48 tokens each. vLLM's run asks
     for logprobs, which the near-tie rule reads; the engine's does not, since the engine
-    drafts only for requests without logprobs (`speculative.verifier.spec_eligible`)."""
+    drafts only for requests without logprobs (`spec_decode.engine.verifier.spec_eligible`)."""
     return {"name": "eagle", "requests": [request(p, temperature=0.0, ignore_eos=True, max_tokens=48,
                                                   logprobs=logprobs)
                                           for p in corpus_prompts(32, 16, 300, seed=15)]}

@@ -1,5 +1,5 @@
 """The EAGLE-1 draft head in plain PyTorch: what `train_eagle.py` trains, and the
-reference the engine's paged implementation (`mini_vllm/speculative/eagle.py`)
+reference the engine's paged implementation (`05_mini_vllm/spec_decode/engine/eagle.py`)
 is checked against.
 
 vLLM counterpart: `vllm/model_executor/models/llama_eagle.py`

@@ -1,6 +1,6 @@
 """EAGLE-2 dynamic draft trees, in plain PyTorch: the drafting, and tree attention in the target.
 
-The engine drafts a chain (`mini_vllm/speculative/eagle.py`): k tokens, each the head's argmax
+The engine drafts a chain (`05_mini_vllm/spec_decode/engine/eagle.py`): k tokens, each the head's argmax
 after the one before. EAGLE-2 (Li et al., 2024; seed 002 section 9.2.3) drafts a tree instead and
 lets the target verify every branch in one forward:
 

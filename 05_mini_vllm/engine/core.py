@@ -32,7 +32,7 @@ from mini_vllm.executor.abstract import Executor
 from mini_vllm.metrics.stats import SchedulerStats, SpecDecodingStats
 from mini_vllm.models.config import ModelConfig
 from mini_vllm.scheduler import Request, RequestStatus, Scheduler
-from mini_vllm.speculative.verifier import spec_eligible
+from mini_vllm.spec_decode.engine.verifier import spec_eligible
 from mini_vllm.worker.async_output import DeferredStepOutput
 
 logger = logging.getLogger("mini_vllm")

@@ -66,7 +66,7 @@ class SamplingMetadata:
         return self.temperature.shape[0]
 
     # The two members Chapter 4's rejection sampler reads besides what the
-    # probabilities step reads (`speculative.verifier.compute_probs` here), so
+    # probabilities step reads (`spec_decode.engine.verifier.compute_probs` here), so
     # the engine verifies drafts from this metadata too.
     @property
     def is_greedy(self) -> torch.Tensor:

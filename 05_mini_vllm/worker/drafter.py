@@ -7,7 +7,7 @@ draft ids it keeps between steps under asynchronous scheduling).
 `ModelRunner.execute_model` calls the same hooks whatever speculation runs, and never
 asks which one: `Drafter` itself is "no speculation" (every hook does nothing), and
 `TokenDrafter` (Chapter 4's n-gram lookup or a draft model) and `EagleDrafter` (a head
-on the target's hidden states, `speculative/eagle.py`) override what they need. Each hook
+on the target's hidden states, `spec_decode/engine/eagle.py`) override what they need. Each hook
 takes typed inputs (`StepInputs`, the hidden states, the sampled tokens) and reads the
 runner's request states and persistent batch, which it is given once, at construction.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from mini_vllm.spec_decode import NgramProposer
-from mini_vllm.speculative.verifier import spec_eligible
+from mini_vllm.spec_decode.engine.verifier import spec_eligible
 from mini_vllm.worker.async_drafts import AsyncDrafts
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
@@ -44,11 +44,11 @@ class Drafter:
                  max_model_len: int, proposer=None, async_scheduling: bool = False,
                  spec_tokens_for_batch: Callable[[int], int] | None = None) -> None:
         self.requests, self.input_batch, self.max_model_len = requests, input_batch, max_model_len
-        # Chapter 4's `NgramProposer`, `speculative.proposers.DraftModelProposer` or an
-        # `speculative.eagle_base.EagleProposerBase`; None here.
+        # Chapter 4's `NgramProposer`, `spec_decode.engine.proposers.DraftModelProposer` or an
+        # `spec_decode.engine.eagle_base.EagleProposerBase`; None here.
         self.proposer = proposer
         # Dynamic speculative decoding (`SpeculativeConfig.num_tokens_for_batch`, or the
-        # measured `speculative.auto_schedule.AutoSchedule` the worker sets after capture): how
+        # measured `spec_decode.engine.auto_schedule.AutoSchedule` the worker sets after capture): how
         # many drafts to propose after a step of n requests; None: always the proposer's k.
         self.spec_tokens_for_batch = spec_tokens_for_batch
         # Asynchronous scheduling with speculation: the drafts kept between steps and the

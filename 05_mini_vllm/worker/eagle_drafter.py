@@ -12,7 +12,7 @@ from a request that sampled and may use them (`spec_eligible`), at most as
 many as fit under `max_model_len`.
 
 The head runs only over the requests whose earlier positions all have its KV, and
-not at all in a step the batch-size schedule gives k = 0 (`speculative/head_kv.py`:
+not at all in a step the batch-size schedule gives k = 0 (`spec_decode/engine/head_kv.py`:
 the skipped positions' blocks are marked, and their requests draft no more).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mini_vllm.kernels.paged_checks import host_values
-from mini_vllm.speculative.eagle_base import EagleStep
-from mini_vllm.speculative.verifier import spec_eligible
+from mini_vllm.spec_decode.engine.eagle_base import EagleStep
+from mini_vllm.spec_decode.engine.verifier import spec_eligible
 from mini_vllm.worker.drafter import Drafter
 from mini_vllm.worker.input_batch import StepInputs
 
@@ -46,7 +46,7 @@ def propose_eagle(drafter: EagleDrafter, step: StepInputs, hidden: torch.Tensor,
     batch, k = drafter.input_batch, drafter.num_drafts_after(len(req_ids))
     tracker = drafter.proposer.head_kv
     tracker.note_schedule(k, len(req_ids))
-    slots_h = host_values(md.slot_mapping)  # the marks of speculative/head_kv.py are kept per slot
+    slots_h = host_values(md.slot_mapping)  # the marks of spec_decode/engine/head_kv.py are kept per slot
     if k == 0:  # the head does not run: mark what the step wrote, nothing more
         tracker.skipped(slots_h)
         return {}

@@ -69,18 +69,18 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_blocks_per_req: int,
                  vocab_size: int) -> None:
-        self.max_num_reqs = max_num_reqs
-        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.full((max_num_reqs, max_num_blocks_per_req), -1, dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.max_num_seqs = max_num_seqs
+        self.token_ids_cpu = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.full((max_num_seqs, max_num_blocks_per_req), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.req_ids: list[str | None] = [None] * max_num_seqs
         self.req_id_to_index: dict[str, int] = {}
-        self.sampling = SamplingColumns(max_num_reqs, vocab_size)
+        self.sampling = SamplingColumns(max_num_seqs, vocab_size)
 
     @property
     def num_reqs(self) -> int:
@@ -91,8 +91,8 @@ class InputBatch:
             row = self.req_id_to_index[state.req_id]
         else:
             row = self.num_reqs
-            if row >= self.max_num_reqs:
-                raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows): the "
+            if row >= self.max_num_seqs:
+                raise RuntimeError(f"persistent batch is full ({self.max_num_seqs} rows): the "
                                    "scheduler scheduled more requests than max_num_seqs")
             self.req_id_to_index[state.req_id] = row
             self.req_ids[row] = state.req_id

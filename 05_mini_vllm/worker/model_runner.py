@@ -44,8 +44,8 @@ from mini_vllm.compilation.config import CompilationConfig
 from mini_vllm.sample.sampler import Sampler
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.scheduler import ModelRunnerOutput
-from mini_vllm.speculative.eagle_base import EagleProposerBase
-from mini_vllm.speculative.verifier import SpecVerifier
+from mini_vllm.spec_decode.engine.eagle_base import EagleProposerBase
+from mini_vllm.spec_decode.engine.verifier import SpecVerifier
 from mini_vllm.structured_output import StructuredOutputs
 from mini_vllm.worker.async_output import DeferredOutputs, DeferredStepOutput, HostStaging
 from mini_vllm.worker.drafter import Drafter, TokenDrafter
@@ -57,7 +57,7 @@ from mini_vllm.worker.step_outputs import OutputMode, StepOutputs, StepSampler
 
 
 class ModelRunner:
-    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_reqs: int,
+    def __init__(self, model, model_config, cache_engine, block_size: int, max_num_seqs: int,
                  max_model_len: int, device, logprobs_mode: str = "raw_logprobs",
                  tokenizer_path: str | None = None, kv_connector=None, proposer=None,
                  async_scheduling: bool = False, compilation_config: CompilationConfig | None = None,
@@ -72,13 +72,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks = -(-max_model_len // block_size)
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_blocks, model_config.vocab_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, model_config.vocab_size)
         self.sampler = Sampler(logprobs_mode)
         self.vocab_size = model_config.vocab_size
         for layer, kv in zip(model.attention_layers(), cache_engine.gpu_cache):
             layer.kv_cache = kv  # every layer reads and writes its own pair
         # The forward pass: eager, compiled, or CUDA graphs (`model_forward.py`); None: eager.
-        self.compilation_config = compilation_config or eager_config(self.device.type, max_num_reqs)
+        self.compilation_config = compilation_config or eager_config(self.device.type, max_num_seqs)
         self.model_forward = ModelForward(model, self.compilation_config, self.device, max_blocks)
         # Chapter 6: the worker-side KV connector when kv_transfer_config is given
         # (duck-typed, never imported here), else None.
@@ -97,7 +97,7 @@ class ModelRunner:
                                         self.requests, self.input_batch)
         # Pinned staging of each step's uploads (one transfer, no wait on the device) and of
         # the deferred outputs' tokens; plain tensors on a CPU.
-        self.staging = HostStaging(self.device, max_num_reqs)
+        self.staging = HostStaging(self.device, max_num_seqs)
         self.outputs: OutputMode = (DeferredOutputs(model, self.step_sampler, self.staging)
                                     if async_scheduling and proposer is None else
                                     StepOutputs(model, self.step_sampler, self.drafter, async_scheduling))

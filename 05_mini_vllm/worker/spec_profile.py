@@ -1,7 +1,7 @@
 """Measuring, at start-up, where speculative decoding stops paying.
 
 vLLM counterpart: none; vLLM's `profile_run` (`vllm/v1/worker/gpu_model_runner.py`)
-measures memory, not time. This feeds `speculative/auto_schedule.py`, whose
+measures memory, not time. This feeds `spec_decode/engine/auto_schedule.py`, whose
 docstring states the rule: drafting pays at batch size B while the mean
 acceptance length exceeds c(B) = V(B) / T(B).
 
@@ -35,8 +35,8 @@ import time
 import torch
 
 from mini_vllm.forward_context import set_forward_context
-from mini_vllm.speculative.eagle_base import EagleProposerBase
-from mini_vllm.speculative.proposers import DraftModelProposer
+from mini_vllm.spec_decode.engine.eagle_base import EagleProposerBase
+from mini_vllm.spec_decode.engine.proposers import DraftModelProposer
 from mini_vllm.worker.cudagraph_dispatcher import dummy_metadata
 
 logger = logging.getLogger("mini_vllm")

@@ -22,7 +22,7 @@ import torch
 from mini_vllm.sample.metadata import SamplingMetadata
 from mini_vllm.sample.sampler import Sampler, gather_logprobs
 from mini_vllm.scheduler import ModelRunnerOutput
-from mini_vllm.speculative.verifier import SpecVerifier
+from mini_vllm.spec_decode.engine.verifier import SpecVerifier
 from mini_vllm.structured_output import StructuredOutputs
 from mini_vllm.worker.drafter import Drafter
 from mini_vllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs

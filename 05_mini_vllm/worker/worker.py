@@ -37,8 +37,8 @@ from mini_vllm.models.attention import set_attention_backend
 from mini_vllm.models.kv_scales import configure_kv_scales
 from mini_vllm.models.loader import load_model
 from mini_vllm.paged_attention import allocate_kv_cache
-from mini_vllm.speculative.auto_schedule import AutoSchedule
-from mini_vllm.speculative.eagle import EagleProposer
+from mini_vllm.spec_decode.engine.auto_schedule import AutoSchedule
+from mini_vllm.spec_decode.engine.eagle import EagleProposer
 from mini_vllm.worker.spec_profile import measure_break_even
 
 logger = logging.getLogger("mini_vllm")
@@ -67,7 +67,7 @@ class Worker:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({mc.max_position_embeddings}), got {self.max_model_len}")
-        # An EAGLE head is one more attention layer in the same blocks (speculative/eagle.py).
+        # An EAGLE head is one more attention layer in the same blocks (spec_decode/engine/eagle.py).
         self.draft_head = None
         spec = config.speculative_config
         if spec is not None and spec.method == "eagle":
@@ -213,14 +213,14 @@ class Worker:
         layers = list(self.model.attention_layers())
         if self.draft_head is not None:
             layers += self.draft_head.attention_layers()
-        from mini_vllm.speculative.proposers import DraftModelProposer
+        from mini_vllm.spec_decode.engine.proposers import DraftModelProposer
 
         if isinstance(proposer, DraftModelProposer):
             layers += proposer.draft.attention_layers()
         return layers
 
     def _measure_spec_schedule(self, max_num_seqs: int) -> None:
-        """The default batch-size schedule of drafts (`speculative/auto_schedule.py`), from
+        """The default batch-size schedule of drafts (`spec_decode/engine/auto_schedule.py`), from
         dummy steps timed now, after capture and before the first request."""
         runner, k = self.model_runner, self.config.speculative_config.num_speculative_tokens
         start = time.perf_counter()
@@ -232,7 +232,7 @@ class Worker:
 
     def _make_proposer(self, spec, num_blocks: int):
         from mini_vllm.spec_decode import NgramProposer
-        from mini_vllm.speculative.proposers import DraftModelProposer
+        from mini_vllm.spec_decode.engine.proposers import DraftModelProposer
 
         if spec.method == "ngram":
             return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mini_vllm.speculative.eagle_base import EagleProposerBase, EagleStep
+from mini_vllm.spec_decode.engine.eagle_base import EagleProposerBase, EagleStep
 
 
 class EagleProposer(EagleProposerBase):

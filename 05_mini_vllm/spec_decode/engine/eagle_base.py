@@ -2,7 +2,7 @@
 `propose` calls (vLLM: the setup half of `vllm/v1/spec_decode/eagle.py`,
 `EagleProposer.__init__`, `load_model` and the metadata it builds per draft step).
 
-`speculative/eagle.py` holds `EagleProposer.propose`, the algorithm; the Chapter 5
+`spec_decode/engine/eagle.py` holds `EagleProposer.propose`, the algorithm; the Chapter 5
 exercise writes its own `propose` on this same base. Invariants of the helpers:
 * the head's attention layer is bound to `kv_cache`, whose first `num_pool_blocks`
   blocks are the pool's (the same block ids as the target's layers) and whose last
@@ -20,7 +20,7 @@ import torch
 
 from mini_vllm.attention.metadata import AttentionMetadata
 from mini_vllm.forward_context import set_forward_context
-from mini_vllm.speculative.head_kv import HeadKvTracker
+from mini_vllm.spec_decode.engine.head_kv import HeadKvTracker
 
 
 @dataclass
@@ -37,7 +37,7 @@ class EagleStep:
     num_blocks: list[int]         # per row: blocks allocated to the request
     num_drafts: list[int]         # per row: drafts wanted (0: KV only)
     # Rows are the requests the head runs over this step: those whose earlier positions
-    # all have the head's KV (speculative/head_kv.py); the flat tensors hold their tokens only.
+    # all have the head's KV (spec_decode/engine/head_kv.py); the flat tensors hold their tokens only.
 
 
 class EagleProposerBase:

@@ -9,7 +9,7 @@
 Any method also takes `num_speculative_tokens_per_batch_size`:
 * left out ("auto"), the engine's default and not vLLM's: the engine measures at
   start-up where drafting stops paying and drafts only below that batch size
-  (`speculative/auto_schedule.py`); it falls back to None under asynchronous
+  (`spec_decode/engine/auto_schedule.py`); it falls back to None under asynchronous
   scheduling and tensor parallelism, which need a draft length known in advance;
 * None: vLLM's default, k drafts at every batch size;
 * vLLM's dynamic speculative decoding, a list of inclusive batch-size ranges
@@ -21,7 +21,7 @@ off at large batches, where verifying drafts costs more than it saves. EAGLE's
 head does not run at all then (vLLM's still writes its KV), so a step with k = 0
 costs what a step without speculation costs; the requests it computed lack the
 head's KV there and draft no more, while requests that start later do
-(`speculative/head_kv.py`). The engine logs each switch.
+(`spec_decode/engine/head_kv.py`). The engine logs each switch.
 vLLM caps a k above num_speculative_tokens; here that is an error.
 Every bad value is a ValueError naming the field and its allowed range; a
 missing draft folder is a FileNotFoundError. The draft model's vocabulary is

@@ -28,7 +28,7 @@ Invariants:
   k + 1 (every draft accepted): the engine drafts, and so learns its acceptance,
   wherever drafting could pay at all;
 * the answer is k or 0; each switch is logged by the runner's side
-  (`speculative/head_kv.py` for EAGLE) and here, with the L and c that decided it.
+  (`spec_decode/engine/head_kv.py` for EAGLE) and here, with the L and c that decided it.
 """
 from __future__ import annotations
 
