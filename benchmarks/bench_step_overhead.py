@@ -24,7 +24,7 @@ The step is split by wrapping the engine's own methods on the instances: the
 scheduler (`schedule` + `update_from_output`), the runner's input preparation
 (`_update_states` + `_prepare_inputs`), the forward (`ModelForward.__call__`), the
 logits (`compute_logits`: the lm_head linear, a kernel, plus its wrapper), the sampler
-(`_sample`), and the front end's output processing (`process_engine_outputs`); the
+(`step_sampler.sample`), and the front end's output processing (`process_engine_outputs`); the
 rest of the step (the runner's and core's glue) is what remains.
 
 Workloads (1 thread, pinned to one core): tiny-py-target fp32 and the Qwen3-0.6B-shaped
@@ -164,7 +164,7 @@ def instrument(llm, clock: Clock) -> None:
     runner._prepare_inputs = clock.wrap("input prep", runner._prepare_inputs)
     runner.model_forward = clock.wrap("forward", runner.model_forward, region="forward")
     runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits, region="logits")
-    runner._sample = clock.wrap("sampler", runner._sample)
+    runner.step_sampler.sample = clock.wrap("sampler", runner.step_sampler.sample)
     engine.process_engine_outputs = clock.wrap("output processing", engine.process_engine_outputs)
 
 
