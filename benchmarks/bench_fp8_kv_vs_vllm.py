@@ -20,8 +20,9 @@ when vLLM ran unquantized (fp8 moves logprobs by up to ~0.6 on the tiny model, s
 KV capacity: tokens that fit in the 1 GiB budget per KV-cache dtype (the worker's own block
 arithmetic, `kv_bytes_per_block`): fp8 holds 2x bf16's and 4x fp32's.
 
-Where the time goes: the C++ attention kernels read fp32 and bf16 caches only, so an fp8 cache
-runs the numba kernel, which widens each byte through a 256-entry table.
+Where the time goes: both caches run the C++ attention kernel (an fp8 byte widened by bit
+arithmetic, `kernels/csrc/attn_formats.h`) inside the flat CPU step (`models/cpu_step.py`,
+which quantises K/V as it writes them); kernels/NOTES.md has the measurements.
 
 Run (one benchmark at a time across the machine):
     flock /tmp/bench.lock .venv/bin/python benchmarks/bench_fp8_kv_vs_vllm.py [--model tiny|qwen3-0.6b]
@@ -85,7 +86,7 @@ def run_threads(reqs, wl, n: int, runs: int, use_vllm: bool, refusal: str | None
     useful = sum(m for _, m in reqs)
     llms = {kv: LLM(str(wl.path()), dtype=wl.dtype, kv_cache_dtype=kv, **wl.settings) for kv in ("fp8", "auto")}
     for llm in llms.values():
-        engine_run(reqs[:16], llm, detokenize=wl.detokenize)  # warm-up (numba compiles the fp8 reads)
+        engine_run(reqs[:16], llm, detokenize=wl.detokenize)  # warm-up (kernels compiled or loaded on first use)
     t_m = {kv: [] for kv in llms}
     t_v, same = [], []
     vllm_kv = "fp8" if refusal is None else "auto"

@@ -1,4 +1,4 @@
-"""The C++ paged-attention kernel for fp32 and bf16 caches (`csrc/cpu_attn.cpp`): built, loaded, called;
+"""The C++ paged-attention kernel for fp32, bf16 and fp8 caches (`csrc/cpu_attn.cpp`): built, loaded, called;
 and the build and load of the C++ layer ops' library (`csrc/cpu_layer_ops.cpp`, called by
 `cpu_layer_ops_native.py`), which run where this kernel runs.
 
@@ -17,10 +17,15 @@ evicted (`bench_engine_attention.py`, kernels/NOTES.md): the qwen3-0.6b workload
 decodes 1.24x and prefills 1.59x; the tiny workload's fp32 decodes 1.12x, prefills
 1.47x.
 
+fp8 caches (e4m3, e5m2, with per-tensor k_scale / v_scale; `kv_cache_dtype.py`) are read
+by the same loops, each byte dequantised on load to fp32(value) * scale by bit arithmetic
+(`csrc/attn_formats.h`; faster than numba's 256-entry table, which on AVX2 becomes a gather),
+with a query and output of the model's dtype (fp32 or bf16).
+
 Two builds (`ISAS`, best first). The sources are written against `csrc/simd.h`, a thin
 layer of 16-lane operations with one header per instruction set, and compiled once per
 set the CPU has: "avx512" (AVX-512 F / BW / VL / DQ + AVX512_BF16: VDPBF16PS, masked
-loads) and "avx2" (AVX2 + FMA, the x86 laptops and desktops without AVX-512: 16 lanes as
+loads) and "avx2" (AVX2 + FMA + F16C, the x86 laptops and desktops without AVX-512: 16 lanes as
 two ymm registers, bf16 widened in registers and multiplied in fp32, in VDPBF16PS's
 order, so both builds give the same bits but for fp32 denormals). Each build's symbols
 carry its name (`mini_vllm_attn_worker_avx2`), so both can be loaded in one process.
@@ -31,7 +36,8 @@ build the CPU can run), else `MINI_VLLM_CPU_ATTN` (`avx512` or `avx2` forces tha
 features the CPU has (LLVM's view of the host, as numba's). Where numba targets another CPU
 (`NUMBA_CPU_NAME`, as `cpu_runtime.AVX2_ONLY_ENV` holds an AVX-512 machine to AVX2), only the
 AVX2 build may run. It also needs a C++ compiler ($CXX or g++); per call (`handles`), an
-fp32 or bf16 cache and a head_dim that is a multiple of 16 or 32. Everything else runs the
+fp32 or bf16 cache with a query of its dtype, or an fp8 cache with an fp32 or bf16 query, a
+head_dim that is a multiple of 16 (32 for bf16), and (`scales_ok`) fp8 scales below 2**120. Everything else runs the
 numba kernel, which stays the reference implementation on every CPU. A failed build is
 reported once (a warning with the compiler's message) and the numba kernel runs instead.
 
@@ -67,6 +73,8 @@ import torch
 from llvmlite import binding as llvm_binding
 from numba import njit, prange, types
 
+from .kv_cache_dtype import is_fp8
+
 logger = logging.getLogger("mini_vllm")
 
 SOURCE = Path(__file__).resolve().with_name("csrc") / "cpu_attn.cpp"
@@ -75,7 +83,7 @@ SOURCE = Path(__file__).resolve().with_name("csrc") / "cpu_attn.cpp"
 ISAS = {
     "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"),
                ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma")),
-    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 }
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")  # exports: simd.h
 # The fused layer ops (`csrc/cpu_layer_ops.cpp`, called by cpu_layer_ops_native.py), a library
@@ -97,14 +105,21 @@ def layer_ops_flags(isa: str) -> tuple[str, ...]:
 
 
 # The cache dtypes it reads (`enum Dtype` in the C++ file), and the head_dim each needs a
-# multiple of: one VDPBF16PS takes 32 bf16 of a row, one FMA 16 fp32.
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
+# multiple of: one VDPBF16PS takes 32 bf16 of a row, one FMA 16 fp32 (an fp8 row is
+# dequantised 16 bytes at a time). The queries it takes: the cache's dtype, and for an fp8
+# cache either of QUERY_DTYPES (the model's).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+HEAD_DIM_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32, torch.float8_e4m3fn: 16, torch.float8_e5m2: 16}
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+# An e4m3 byte is read as its value times 2**-8, then multiplied by scale * 2**8 (csrc/attn_formats.h):
+# the same fp32 product as value * scale while scale * 2**8 is finite in fp32.
+MAX_FP8_SCALE = 2.0 ** 120
 
 # The parameter block's slots, in the order of `enum Param` in the C++ file.
 PARAMS = ("query", "key_cache", "value_cache", "out", "tables", "table_stride", "cu_seqlens", "seq_lens",
           "item_seq", "item_t0", "item_h0", "num_items", "tile_tokens", "decode_heads", "num_heads",
-          "num_kv_heads", "head_dim", "block_size", "scale_bits", "scratch", "scratch_floats", "counter", "dtype")
+          "num_kv_heads", "head_dim", "block_size", "scale_bits", "scratch", "scratch_floats", "counter", "dtype",
+          "k_scale_bits", "v_scale_bits", "query_dtype")
 
 _CHOICES = ("auto", *ISAS, "numba")
 CPU_ATTN = os.environ.get("MINI_VLLM_CPU_ATTN", "auto")
@@ -117,11 +132,11 @@ def scratch_floats(rows: int, head_dim: int, block_size: int) -> int:
     it out, the larger of its two paths: attend_item's query pointers (two floats each),
     acc [rows, head_dim], S [rows, block_size], running max, sum and alpha [rows]; and
     attend_tile's, with rows padded to 16 lanes: pointers, transposed q and acc [head_dim,
-    rows], max and sum, P [block_size, 16] and a block of V in fp32. Even, so that every
-    thread's pointers stay 8-byte aligned."""
+    rows], max and sum, P [block_size, 16] and a block of V and of K in fp32 (K: an fp8
+    cache's). Even, so that every thread's pointers stay 8-byte aligned."""
     n = rows * (2 + head_dim + block_size + 3)  # attend_item
     rows_p = -(-rows // 16) * 16
-    n = max(n, rows_p * (2 + 2 * head_dim + 2) + 16 * block_size + block_size * head_dim)  # attend_tile
+    n = max(n, rows_p * (2 + 2 * head_dim + 2) + 16 * block_size + 2 * block_size * head_dim)  # attend_tile
     return n + (n & 1)
 
 
@@ -186,11 +201,20 @@ def available_isas() -> tuple[str, ...]:
     return tuple(name for name in ISAS if unavailable_reason(name) is None)
 
 
-def handles(dtype: torch.dtype, head_dim: int) -> bool:
-    """Does the C++ kernel run this call (not switched off, the library loaded, a cache dtype
-    and head_dim it reads)?"""
-    return (not _numba_only_depth and dtype in DTYPES and head_dim % HEAD_DIM_MULTIPLE[dtype] == 0
+def handles(dtype: torch.dtype, head_dim: int, query_dtype: torch.dtype | None = None) -> bool:
+    """Does the C++ kernel run this call (not switched off, the library loaded, a cache dtype,
+    query dtype (default: the cache's) and head_dim it reads)? An fp8 call also needs
+    `scales_ok`."""
+    query_dtype = dtype if query_dtype is None else query_dtype
+    pair = query_dtype in QUERY_DTYPES if is_fp8(dtype) else query_dtype == dtype
+    return (not _numba_only_depth and dtype in DTYPES and pair and head_dim % HEAD_DIM_MULTIPLE[dtype] == 0
             and library() is not None)
+
+
+def scales_ok(k_scale: float, v_scale: float) -> bool:
+    """Do the C++ kernel's fp8 reads give value * scale for these scales (see MAX_FP8_SCALE)?
+    Larger ones (no checkpoint has them) take the numba kernel."""
+    return k_scale < MAX_FP8_SCALE and v_scale < MAX_FP8_SCALE
 
 
 def unavailable_reason(name: str | None = None) -> str | None:
@@ -345,13 +369,13 @@ _FAN_OUT = {"avx512": _fan_out_avx512, "avx2": _fan_out_avx2}
 
 def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
         item_seq: np.ndarray, item_t0: np.ndarray, item_h0: np.ndarray, tile_tokens: int, decode_heads: int,
-        scale: float, nthreads: int) -> None:
+        scale: float, nthreads: int, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out = attention over the plan's items (see cpu_paged_attention.run_varlen, which
-    checked everything): query, caches and out contiguous tensors of one dtype that
-    `handles`; tables, cu and
-    seq_lens integer numpy arrays, the items int64 ones (the plan's)."""
+    checked everything): query, caches and out contiguous tensors that `handles` (out of the
+    query's dtype); tables, cu and seq_lens integer numpy arrays, the items int64 ones (the
+    plan's); k_scale / v_scale an fp8 cache's (`scales_ok`)."""
     params, _arrays = attention_params(query, key_cache, value_cache, out, tables, cu, seq_lens, item_seq, item_t0,
-                                       item_h0, tile_tokens, decode_heads, scale, nthreads)
+                                       item_h0, tile_tokens, decode_heads, scale, nthreads, k_scale, v_scale)
     run_params(params, nthreads)
 
 
@@ -360,11 +384,18 @@ def run(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, 
 # of the item counter, which must be zero before each run.
 LAYER_SLOTS = slice(0, 4)
 COUNTER_SLOT = 21
+SCALE_SLOTS = slice(PARAMS.index("k_scale_bits"), PARAMS.index("v_scale_bits") + 1)  # an fp8 layer's (scale_slots)
+
+
+def scale_slots(k_scale: float, v_scale: float) -> tuple[int, int]:
+    """What SCALE_SLOTS hold for an fp8 cache's scales."""
+    return _bits(k_scale), _bits(v_scale)
 
 
 def attention_params(query, key_cache, value_cache, out, tables: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
                      item_seq: np.ndarray, item_t0: np.ndarray, item_h0: np.ndarray, tile_tokens: int,
-                     decode_heads: int, scale: float, nthreads: int) -> tuple[np.ndarray, tuple]:
+                     decode_heads: int, scale: float, nthreads: int, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> tuple[np.ndarray, tuple]:
     """The C++ kernel's parameter block for `run`'s arguments, and the arrays its pointers
     point into (the caller keeps them alive while the block is used)."""
     # The C++ side reads int32 tables and lengths (the engine's dtype; tests may pass int64).
@@ -379,9 +410,14 @@ def attention_params(query, key_cache, value_cache, out, tables: np.ndarray, cu:
                        tables.ctypes.data, tables.shape[1], cu.ctypes.data, seq_lens.ctypes.data,
                        item_seq.ctypes.data, item_t0.ctypes.data, item_h0.ctypes.data, item_seq.shape[0],
                        tile_tokens, decode_heads, num_heads, num_kv_heads, head_dim, block_size,
-                       struct.unpack("<I", struct.pack("<f", scale))[0], scratch.ctypes.data, per_thread,
-                       counter.ctypes.data, DTYPES[key_cache.dtype]), np.int64)
+                       _bits(scale), scratch.ctypes.data, per_thread, counter.ctypes.data, DTYPES[key_cache.dtype],
+                       _bits(k_scale), _bits(v_scale), DTYPES[query.dtype]), np.int64)
     return params, (tables, cu, seq_lens, item_seq, item_t0, item_h0, scratch, counter)
+
+
+def _bits(x: float) -> int:
+    """x rounded to fp32, as the bits of a parameter slot."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def run_params(params: np.ndarray, nthreads: int) -> None:

@@ -71,13 +71,15 @@ product as Chapter 1's dequantising reference, for both formats alike.
 vectorise while -inf and NaN keep IEEE meaning; numpy's error model makes a
 division by zero give inf/NaN (as in torch) instead of raising from a thread.
 
-fp32 and bf16 caches on a CPU with AVX512_BF16 or AVX2 + FMA (and head_dim a
-multiple of 16 / 32) run the C++ kernel of `cpu_native.py` / `csrc/cpu_attn.cpp`
-instead, on the same plan of work items: its bf16 dot products are one
-VDPBF16PS per 32 pairs (on AVX2, the pairs widened in registers and two
-FMAs), with the accumulators held in registers across a block, which numba
-cannot arrange. This file stays the kernel of every other case and the
-reference the C++ kernel's tests compare with.
+fp32, bf16 and fp8 caches on a CPU with AVX512_BF16 or AVX2 + FMA + F16C (and
+head_dim a multiple of 16 / 32; an fp8 cache with an fp32 or bf16 query and
+`cpu_native.scales_ok` scales) run the C++ kernel of `cpu_native.py` /
+`csrc/cpu_attn.cpp` instead, on the same plan of work items: its bf16 dot
+products are one VDPBF16PS per 32 pairs (on AVX2, the pairs widened in
+registers and two FMAs), its fp8 bytes widened by bit arithmetic, with the
+accumulators held in registers across a block, which numba cannot arrange.
+This file stays the kernel of every other case and the reference the C++
+kernel's tests compare with.
 
 Threads and BLAS: `cpu_runtime.py` (numba's pool sized to every CPU, started
 passive on the first call, as many threads per call as torch uses; BLAS held
@@ -623,8 +625,8 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     `paged_attention_varlen`. `plan_cache`: a dict the caller keeps for one
     batch (the engine: one per step, shared by every layer), in which the
     batch's plan and numpy views are kept, so that layers 2..L skip building
-    them (about 80 us a call for 128 decodes). An fp8 cache always takes the
-    numba kernel (the C++ kernels read fp32 and bf16 only: `cpu_native.handles`)."""
+    them (about 80 us a call for 128 decodes). An fp8 cache takes the C++ kernel
+    where `cpu_native.handles` it and `scales_ok` its scales, else the numba kernel."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return torch.empty_like(query)
@@ -634,10 +636,11 @@ def run_varlen(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_le
     tile_tokens, nthreads, plan = batch_plan(num_heads, num_kv_heads, block_tables, cu_seqlens_q, seq_lens,
                                              plan_cache)
     cu, seq_lens, tables, item_seq, item_t0, item_h0, decode_heads = plan
-    if cpu_native.handles(key_cache.dtype, head_dim):  # the C++ kernel (cpu_native.py), same items
-        out = torch.empty_like(query)
+    if (cpu_native.handles(key_cache.dtype, head_dim, query.dtype)
+            and (not is_fp8(key_cache.dtype) or cpu_native.scales_ok(k_scale, v_scale))):
+        out = torch.empty_like(query)  # the C++ kernel (cpu_native.py), same items
         cpu_native.run(query.detach().contiguous(), key_cache, value_cache, out, tables, cu, seq_lens, item_seq,
-                       item_t0, item_h0, tile_tokens, decode_heads, scale, nthreads)
+                       item_t0, item_h0, tile_tokens, decode_heads, scale, nthreads, k_scale, v_scale)
         return out
     # Per-thread scratch, allocated once per call (not once per item, inside the
     # loop): about 2 us of the call's fixed 25 us, so not cached across calls.

@@ -351,8 +351,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_decode_item_first_kv_head_only",
         path=NATIVE,
-        old="item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch,",
-        new="item(a, i, 0, 1, h0, h0 + 1, scratch,",
+        old="attend_item<E>(a, i, 0, 1, h0, h0 + a.decode_heads, scratch,",
+        new="attend_item<E>(a, i, 0, 1, h0, h0 + 1, scratch,",
         tests=NATIVE_TESTS,
         why="C++ kernel: a decode item of all KV heads computes only its first",
     ),
@@ -368,8 +368,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="native_block_major_scores_head_zero",
         path=NATIVE,
-        old="scores<E>(qrow + h * group, group, kb + j * row + h * D, row, nj, D, a.scale, s + h * group * bs + j, bs);",
-        new="scores<E>(qrow + h * group, group, kb + j * row, row, nj, D, a.scale, s + h * group * bs + j, bs);",
+        old="scores<E>(qrow + h * group, group, kb + j * row + h * D, row,",
+        new="scores<E>(qrow + h * group, group, kb + j * row, row,",
         tests=NATIVE_TESTS,
         why="C++ kernel, whole decodes: every KV head's rows scored against KV head 0's keys (slot offset without the head's)",
     ),
@@ -646,5 +646,22 @@ MUTANTS: list[Mutant] = [
         new="k = tl.clamp(k.to(tl.float32) / k_scale / k_scale, -fp8_max, fp8_max)",
         tests=fp8_test("test_writers_store_the_oracle_bytes[in_dtype0-triton-e4m3]"),
         why="fp8 KV cache: the Triton writer divides keys by k_scale twice",
+    ),
+    # The C++ kernel's fp8 reads: the AVX2 build, which every CPU that runs the C++ kernels runs.
+    Mutant(
+        name="fp8_scale_not_applied_on_reading_cpp",
+        path=NATIVE,
+        old="kmul(multiplier(a.k_scale))",
+        new="kmul(multiplier(1.0f))",
+        tests=fp8_test("test_decode_reads_dequantised_cache[cpp_avx2-e4m3]"),
+        why="fp8 KV cache: the C++ kernel reads key bytes without multiplying by k_scale",
+    ),
+    Mutant(
+        name="fp8_e4m3_nan_read_as_a_number_cpp",
+        path="kernels/csrc/attn_formats.h",
+        old="return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));",
+        new="return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_setzero_si256()));",
+        tests=fp8_test("test_cpp_kernel_reads_every_byte_as_value_times_scale[e4m3-avx2]"),
+        why="fp8 KV cache: the C++ kernel reads e4m3's NaN code (S.1111.111) as 480 times the scale",
     ),
 ]

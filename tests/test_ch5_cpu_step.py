@@ -18,8 +18,8 @@ SETTINGS = dict(block_size=16, kv_cache_memory_bytes=1 << 26, max_num_seqs=8, ma
 PROMPTS = [[5, 9, 200, 31, 7], [100, 101, 102], [3000, 12, 77, 950, 4, 4, 61, 2, 8]]
 
 
-def _engine(dtype: str, path=None) -> LLM:
-    return LLM(str(path or model_path("tiny-py-target")), dtype=dtype, **SETTINGS)
+def _engine(dtype: str, path=None, **kw) -> LLM:
+    return LLM(str(path or model_path("tiny-py-target")), dtype=dtype, **SETTINGS, **kw)
 
 
 def _random_checkpoint(name: str, folder) -> str:
@@ -40,16 +40,22 @@ def _generate(llm: LLM, vocab: int = 6144) -> list[tuple]:
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-# tiny-py-target (Qwen3: the q/k norm + rope op) in both dtypes; random Llama 3 (llama3 rope
-# scaling: the two rope ops, untied) and Qwen2 (qkv bias: the linear's fp32 bias) checkpoints.
-@pytest.mark.parametrize("model,dtype", [("tiny-py-target", "float32"), ("tiny-py-target", "bfloat16"),
-                                         ("llama3-rope-gqa2-tied", "float32"), ("qwen2-gqa4-tied", "float32")])
-def test_the_flat_step_gives_the_modules_bits(monkeypatch, tmp_path, model, dtype):
+# tiny-py-target (Qwen3: the q/k norm + rope op) in both dtypes, and with fp8 caches of both
+# formats (scales calculated from the first step's K/V, a pair per layer, none 1.0: a layer's
+# scales written into the attention block, or the quantisation, must match the modules');
+# random Llama 3 (llama3 rope scaling: the two rope ops, untied) and Qwen2 (qkv bias: the
+# linear's fp32 bias) checkpoints.
+@pytest.mark.parametrize("model,dtype,kv_cache_dtype", [
+    ("tiny-py-target", "float32", "auto"), ("tiny-py-target", "bfloat16", "auto"),
+    ("tiny-py-target", "float32", "fp8"), ("tiny-py-target", "bfloat16", "fp8_e5m2"),
+    ("llama3-rope-gqa2-tied", "float32", "auto"), ("qwen2-gqa4-tied", "float32", "auto")])
+def test_the_flat_step_gives_the_modules_bits(monkeypatch, tmp_path, model, dtype, kv_cache_dtype):
     flat_steps = []
     real = cpu_step._run
     monkeypatch.setattr(cpu_step, "_run", lambda *a: flat_steps.append(1) or real(*a))
     path, vocab = (None, 6144) if model == "tiny-py-target" else (_random_checkpoint(model, tmp_path), 97)
-    llm = _engine(dtype, path)
+    fp8 = {} if kv_cache_dtype == "auto" else dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+    llm = _engine(dtype, path, **fp8)
     try:
         flat = _generate(llm, vocab)
         assert flat_steps, f"no step took the flat loop: the CPU default must use it for {model}"
@@ -57,12 +63,18 @@ def test_the_flat_step_gives_the_modules_bits(monkeypatch, tmp_path, model, dtyp
         flat_steps.clear()
         modules = _generate(llm, vocab)
         assert not flat_steps, "MINI_VLLM_CPU_STEP=modules must keep every step on the modules"
+        layers = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model.model.layers
+        scales = {(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in layers}
     finally:
         llm.shutdown()
+    if fp8:
+        assert len(scales) == len(layers) and 1.0 not in {x for pair in scales for x in pair}, \
+            f"the case needs a distinct scale pair per layer, none 1.0: got {scales}"
     for i, (a, b) in enumerate(zip(flat, modules)):
-        assert a[0] == b[0], f"{model} {dtype} request {i}: the flat loop's tokens differ from the modules' (a wrong buffer, " \
-                             f"residual or block)"
-        assert a[1] == b[1], f"{model} {dtype} request {i}: the flat loop's logprobs differ from the modules' bits"
+        assert a[0] == b[0], (f"{model} {dtype} {kv_cache_dtype} request {i}: the flat loop's tokens differ from the "
+                              "modules' (a wrong buffer, residual or block, fp8 scales or quantisation)")
+        assert a[1] == b[1], \
+            f"{model} {dtype} {kv_cache_dtype} request {i}: the flat loop's logprobs differ from the modules' bits"
 
 
 class _Allocations(TorchDispatchMode):

@@ -2,13 +2,14 @@
 `k_scale` / `v_scale`): validation, capacity, every backend, and the features that move or share
 cache blocks (prefix caching, chunked prefill, swap preemption, copy-on-write, speculative decoding).
 
-Oracles: the CPU kernel (numba) and the torch backend (SDPA over gathered, dequantised blocks) are
-independent implementations of the same fp8 reads, so their tokens and logprobs must agree; a
-feature that moves blocks (swap, prefix hit, chunking, speculation) must give the tokens of the
-same fp8 engine without it; computed scales must map the first prefill's largest |K| to 200 and
-|V| to 100, whose e4m3 images are 192 and 96 (ties to even). The kernels themselves are tested
-against an fp8 oracle in test_kernels_fp8_kv.py; accuracy against the unquantized engine in
-test_ch5_fp8_kv_accuracy.py.
+Oracles: the CPU kernel (C++ where it runs, else numba) and the torch backend (SDPA over gathered,
+dequantised blocks) are independent implementations of the same fp8 reads, so their tokens and
+logprobs must agree; a feature that moves blocks (swap, prefix hit, chunking, speculation) must
+give the tokens of the same fp8 engine without it; computed scales must map the first prefill's
+largest |K| to 200 and |V| to 100, up to the fp32 rounding of x / scale: both are ties between
+two e4m3 values (192 and 208, 96 and 104), so the cached maximum is one of them, whichever side
+the rounding fell. The kernels themselves are tested against an fp8 oracle in
+test_kernels_fp8_kv.py; accuracy against the unquantized engine in test_ch5_fp8_kv_accuracy.py.
 """
 from __future__ import annotations
 
@@ -154,8 +155,10 @@ def test_calculated_scales_map_the_first_prefill_to_200_and_100():
     run_greedy(llm, PROMPTS[2:], 1)  # one prefill (and nothing else) writes the cache
     for i, (layer, (k, v)) in enumerate(zip(layers, caches(llm))):
         assert not layer.calculate_kv_scales and layer.k_scale != 1.0, f"layer {i}: scales never computed"
-        # max|K| / k_scale = 200 exactly, whose nearest e4m3 values 192 / 208 tie: 192 (even)
-        assert k.float().abs().max() == 192 and v.float().abs().max() == 96, (
+        # max|K| / k_scale is 200 up to the fp32 rounding of the quotient (an ulp either way, as
+        # the attention kernel's last bits set max|K|); 200 is the tie between e4m3's 192 and 208,
+        # so either is right, and 100 between 96 and 104.
+        assert float(k.float().abs().max()) in (192, 208) and float(v.float().abs().max()) in (96, 104), (
             f"layer {i}: the largest cached |K|, |V| are {k.float().abs().max()}, {v.float().abs().max()}, "
             "not e4m3(200), e4m3(100): the scale is not max|x| / 200 (K) and / 100 (V)")
 

@@ -4,6 +4,7 @@ to another CPU), the choices refused by name, the AVX2 libraries' machine code, 
 libraries' names following their headers. The kernels' results are test_kernels_cpu_native.py's.
 """
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -34,9 +35,10 @@ def test_numba_choice_and_held_back_isa_keep_the_numba_kernel(monkeypatch):
 
 
 # LLVM's feature names of three kinds of x86 CPU, for the dispatch rule.
-AVX512_CPU = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16"})
-AVX512_NO_BF16_CPU = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})  # Skylake-X
+AVX512_CPU = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16"})
+AVX512_NO_BF16_CPU = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})  # Skylake-X
 AVX2_CPU = frozenset({"avx2", "fma", "f16c"})  # Haswell, Zen 1-3
+AVX2_NO_F16C_CPU = frozenset({"avx2", "fma"})  # none sold, but the AVX2 build widens fp8 bytes with F16C
 OLD_CPU = frozenset({"avx", "sse4.2"})  # Sandy Bridge: no AVX2, no FMA
 
 
@@ -45,12 +47,13 @@ OLD_CPU = frozenset({"avx", "sse4.2"})  # Sandy Bridge: no AVX2, no FMA
     (AVX512_NO_BF16_CPU, {}, "avx2"),
     (AVX2_CPU, {}, "avx2"),
     (OLD_CPU, {}, None),
+    (AVX2_NO_F16C_CPU, {}, None),
     (AVX512_CPU, {"MINI_VLLM_CPU_ATTN": "avx2"}, "avx2"),
     (AVX512_CPU, {"NUMBA_CPU_NAME": "haswell"}, "avx2"),
-], ids=["avx512-bf16", "avx512-no-bf16", "avx2", "no-avx2", "forced-avx2", "numba-held-to-haswell"])
+], ids=["avx512-bf16", "avx512-no-bf16", "avx2", "no-avx2", "avx2-no-f16c", "forced-avx2", "numba-held-to-haswell"])
 def test_dispatch_takes_the_best_build_the_cpu_runs(monkeypatch, features, env, want):
     """The rule, on any machine (the CPU's features stubbed): AVX-512 with BF16 first, then
-    AVX2 + FMA, else numba; MINI_VLLM_CPU_ATTN forces a build; numba held to another CPU
+    AVX2 + FMA + F16C, else numba; MINI_VLLM_CPU_ATTN forces a build; numba held to another CPU
     (AVX2_ONLY_ENV) runs only the AVX2 build."""
     monkeypatch.setattr(cpu_native, "_state", {"features": features})
     monkeypatch.setattr(cpu_native, "CPU_ATTN", env.get("MINI_VLLM_CPU_ATTN", "auto"))
@@ -83,6 +86,18 @@ def test_the_avx2_builds_hold_no_avx512_instruction():
         assert zmm == 0 and masks == 0 and ymm > 100, (
             f"{source.name} built for AVX2 holds {zmm} zmm and {masks} mask-register operands, {ymm} ymm "
             "(simd.h chose the AVX-512 header, or an -m flag let the compiler use AVX-512)")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64")
+                    or shutil.which(cpu_native._compiler()) is None, reason="needs an x86-64 C++ compiler")
+@pytest.mark.parametrize("build", list(cpu_native.ISAS))
+def test_every_build_compiles_whatever_this_cpu_runs(build):
+    """Every build's libraries (attention, layer ops) compile with any x86-64 g++, whether or
+    not this CPU can run them: on an AVX2-only machine a mistake in the AVX-512 path
+    (simd_avx512.h, the fp8 reads of attn_formats.h) shows here, not on the first AVX-512 CPU."""
+    for source, flags in ((cpu_native.SOURCE, cpu_native.flags(build)),
+                          (cpu_native.LAYER_OPS_SOURCE, cpu_native.layer_ops_flags(build))):
+        assert cpu_native._build(source, flags).is_file(), f"{source.name}: the {build} build wrote no library"
 
 
 def test_a_header_edit_rebuilds_the_library(tmp_path, native_isa):

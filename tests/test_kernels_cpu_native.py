@@ -10,7 +10,8 @@ unused block or of a -1 table entry shows as NaN. The cases run at head_dim 32,
 64 and 128 (the kernel's bf16 dot step takes 32 bf16 of a row at a time; Qwen3's
 attention is 16 query / 8 KV heads of 128), in fp32 and bf16. Both builds are held to
 the same oracles and tolerances. On a CPU with neither instruction set the tests that
-need the kernel are skipped, and those about the fallback still run.
+need the kernel are skipped, and those about the fallback still run. Its fp8 caches are
+tested beside the other fp8 paths, against the fp8 oracle: test_kernels_fp8_kv.py.
 """
 import pytest
 import torch

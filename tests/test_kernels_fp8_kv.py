@@ -5,9 +5,11 @@ nearest finite value, sharing nothing with torch's float8 casts. Every path is c
   * writing: Chapter 1's `reshape_and_cache`, the Triton kernel and the cpu backend's
     `write_kv_in_place` store exactly the oracle's bytes of fp32(x / scale), saturated;
   * reading: Chapter 1's varlen and decode reference, the Triton paged kernel (varlen,
-    decode) and split-KV kernel, and the numba CPU kernel (varlen, decode; the C++
-    kernels take no fp8 and send it there) give dense float64 attention over the
-    oracle's dequantised K/V (byte value * scale) within fp32 rounding.
+    decode) and split-KV kernel, the numba CPU kernel and the C++ CPU kernel (varlen,
+    decode, once per build this CPU runs; its GQA ratios, decodes, chunks and prefill
+    tiles, fp32 and bf16 queries, one and two threads) give dense float64 attention over
+    the oracle's dequantised K/V (byte value * scale) within fp32 rounding; the C++ kernel
+    reads every byte of both formats as exactly fp32(value) * scale.
 Scales are far from 1 (k 0.07, v 0.03) and differ, so a scale applied twice, not
 applied when reading, or swapped between K and V is caught; caches are NaN outside the
 written slots (the fp8 NaN byte), so a read past seq_len shows. Small shapes: the
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import fp8_oracle as oracle
-from kernel_cases import scrambled_layout
+from kernel_cases import native_builds, scrambled_layout, torch_threads
 from mini_vllm import paged_attention as ref
 from mini_vllm.attention.backends import write_kv_in_place
 from mini_vllm.kernels import cpu_native, cpu_paged_attention as cpa
@@ -35,12 +37,12 @@ K_SCALE, V_SCALE = 0.07, 0.03
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK = 2, 4, 16, 8
 
 
-def _inputs(n, seed, dtype=torch.float32):
+def _inputs(n, seed, dtype=torch.float32, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
     g = torch.Generator().manual_seed(seed)
     # Magnitudes over several octaves, some past e4m3's range at these scales (saturation).
-    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g) * torch.exp(torch.randn(n, 1, 1, generator=g))
+    k = torch.randn(n, kv_heads, head_dim, generator=g) * torch.exp(torch.randn(n, 1, 1, generator=g))
     k[0, 0, :3] = torch.tensor([40.0, -40.0, 1e-6])  # 40 / 0.07 = 571 > 448: saturates in e4m3
-    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(n, kv_heads, head_dim, generator=g)
     return k.to(dtype), v.to(dtype)
 
 
@@ -98,24 +100,27 @@ def test_writers_store_the_oracle_bytes(writer, fmt, in_dtype):
         assert bool((flat[untouched] == nan_code).all()), f"{writer}: wrote a slot not in slot_mapping (or slot -1)"
 
 
-def _paged_case(fmt, seq_lens, q_lens, seed, q_dtype=torch.float32):
+def _paged_case(fmt, seq_lens, q_lens, seed, q_dtype=torch.float32, heads=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM),
+                block=BLOCK):
     """Caches holding the oracle's bytes of random K/V at scrambled blocks (NaN elsewhere),
-    the queries, and each sequence's dequantised K/V in float64."""
-    layout = scrambled_layout(seq_lens, BLOCK, seed)
-    shape = (layout.num_blocks, BLOCK, NUM_KV_HEADS, HEAD_DIM)
+    the queries, and each sequence's dequantised K/V in float64. heads: (query heads, KV
+    heads, head_dim)."""
+    num_heads, kv_heads, head_dim = heads
+    layout = scrambled_layout(seq_lens, block, seed)
+    shape = (layout.num_blocks, block, kv_heads, head_dim)
     nan = int(torch.tensor(float("nan")).to(oracle.TORCH[fmt]).view(torch.uint8))
     kc, vc = torch.full(shape, nan, dtype=torch.uint8), torch.full(shape, nan, dtype=torch.uint8)
     ks, vs, qs = [], [], []
     g = torch.Generator().manual_seed(seed)
     for i, (s, q) in enumerate(zip(seq_lens, q_lens)):
-        k, v = _inputs(s, seed + i)
+        k, v = _inputs(s, seed + i, kv_heads=kv_heads, head_dim=head_dim)
         kb, vb = _expected_codes(fmt, k, K_SCALE), _expected_codes(fmt, v, V_SCALE)
         for pos in range(s):
-            kc[layout.block_tables[i][pos // BLOCK], pos % BLOCK] = kb[pos]
-            vc[layout.block_tables[i][pos // BLOCK], pos % BLOCK] = vb[pos]
+            kc[layout.block_tables[i][pos // block], pos % block] = kb[pos]
+            vc[layout.block_tables[i][pos // block], pos % block] = vb[pos]
         ks.append(oracle.dequantize_codes(fmt, kb, K_SCALE))
         vs.append(oracle.dequantize_codes(fmt, vb, V_SCALE))
-        qs.append(torch.randn(q, NUM_HEADS, HEAD_DIM, generator=g).to(q_dtype))
+        qs.append(torch.randn(q, num_heads, head_dim, generator=g).to(q_dtype))
     tables = torch.tensor(layout.block_tables, dtype=torch.int32)
     return (kc.view(oracle.TORCH[fmt]), vc.view(oracle.TORCH[fmt]), tables,
             torch.tensor(seq_lens, dtype=torch.int32), ks, vs, qs)
@@ -129,11 +134,54 @@ def _decode(fn, **kw):
     return lambda q, kc, vc, t, sl, sc: fn(q, kc, vc, t, sl, sc, k_scale=K_SCALE, v_scale=V_SCALE, **kw)
 
 
+class _CppCalls:
+    """Counts the calls that reach the C++ kernel (cpu_native.run) inside the block."""
+
+    def __init__(self):
+        self.count = 0
+        self._real = cpu_native.run
+
+    def _counting(self, *args, **kwargs):
+        self.count += 1
+        return self._real(*args, **kwargs)
+
+    def __enter__(self):
+        cpu_native.run = self._counting
+        return self
+
+    def __exit__(self, *exc):
+        cpu_native.run = self._real
+
+
+def _numba(fn):
+    """fn on the numba kernel (the C++ kernel switched off)."""
+    def call(*args):
+        with cpu_native.numba_only():
+            return fn(*args)
+    return call
+
+
+def _cpp(fn, build):
+    """fn on the C++ kernel's build `build` (skipped where no build runs); fails unless the call reached it."""
+    def call(*args):
+        if build is None:
+            pytest.skip(f"the C++ kernels cannot run here: {cpu_native.unavailable_reason()}")
+        with cpu_native.use_isa(build), _CppCalls() as calls:
+            out = fn(*args)
+        assert calls.count, f"an fp8 cache did not reach the C++ kernel ({build} build): routed to numba?"
+        return out
+    return call
+
+
+BUILDS = native_builds()  # the C++ builds this CPU runs, or (None,): their tests skipped
+CPP = {f"cpp_{b}": b for b in BUILDS}
 VARLEN = {"reference": _varlen(ref.paged_attention_varlen), "triton": _varlen(tpa.paged_attention_varlen),
-          "numba": _varlen(cpa.paged_attention_varlen)}
+          "numba": _numba(_varlen(cpa.paged_attention_varlen)),
+          **{name: _cpp(_varlen(cpa.paged_attention_varlen), b) for name, b in CPP.items()}}
 DECODE = {"reference": _decode(ref.paged_attention_decode), "triton": _decode(tpa.paged_attention_decode),
           "triton_split": _decode(tps.paged_attention_decode_split, num_segments=2),
-          "numba": _decode(cpa.paged_attention_decode)}
+          "numba": _numba(_decode(cpa.paged_attention_decode)),
+          **{name: _cpp(_decode(cpa.paged_attention_decode), b) for name, b in CPP.items()}}
 TOL = 2e-5  # fp32 arithmetic on exactly dequantised values (outputs of magnitude ~1)
 
 
@@ -169,7 +217,7 @@ def test_decode_reads_dequantised_cache(path, fmt):
                f"{path} decode {fmt} seq {i}")
 
 
-@pytest.mark.parametrize("path", ("reference", "triton", "numba"))
+@pytest.mark.parametrize("path", ("reference", "triton", "numba", *CPP))
 def test_bf16_query_reads_fp8_cache(path):
     """A bf16 model with an fp8 cache: the query stays bf16, the output is bf16: one rounding
     of the fp32 result, at most 2**-8 relative; one bf16 ulp (2**-7) for the Triton kernel
@@ -185,10 +233,94 @@ def test_bf16_query_reads_fp8_cache(path):
         assert err <= tol, f"{path}: bf16 query over an fp8 cache off by {err:.3g} relative"
 
 
-def test_cpp_kernels_route_fp8_to_numba():
-    """The C++ kernels read fp32 and bf16 caches only: an fp8 cache must go to numba, never to C++."""
+def test_cpp_kernel_takes_only_the_fp8_calls_it_reads():
+    """The C++ kernel reads an fp8 cache with an fp32 or bf16 query (the model's dtype), a
+    head_dim that is a multiple of 16 and scales below 2**120; anything else must go to numba."""
     for dtype in FP8_DTYPES:
-        assert not cpu_native.handles(dtype, 64), f"cpu_native claims {dtype}, which its kernels cannot read"
+        assert not cpu_native.handles(dtype, 64), f"cpu_native claims {dtype} with an fp8 query, which no model has"
+        assert not cpu_native.handles(dtype, 64, torch.float16), f"cpu_native claims {dtype} with an fp16 query"
+        assert not cpu_native.handles(dtype, 24, torch.float32), "cpu_native claims a head_dim not a multiple of 16"
+    assert cpu_native.scales_ok(0.07, 2.0 ** 119) and not cpu_native.scales_ok(2.0 ** 120, 1.0), \
+        "scales_ok must refuse a scale whose e4m3 multiplier (scale * 2**8) overflows fp32, and only that"
+    if cpu_native.unavailable_reason() is None:
+        assert all(cpu_native.handles(d, 64, q) for d in FP8_DTYPES for q in (torch.float32, torch.bfloat16)), \
+            "the C++ kernel must take fp8 caches with fp32 and bf16 queries where it runs"
+    kc, vc, tables, sl, _, _, qs = _paged_case("e4m3", (9,), (1,), seed=6)
+    with _CppCalls() as calls:
+        big = cpa.paged_attention_decode(qs[0], kc, vc, tables, sl, 0.25, k_scale=2.0 ** 121, v_scale=V_SCALE)
+    assert not calls.count, "a scale scales_ok refuses must take the numba kernel"
+    with cpu_native.numba_only():
+        want = cpa.paged_attention_decode(qs[0], kc, vc, tables, sl, 0.25, k_scale=2.0 ** 121, v_scale=V_SCALE)
+    # (keys of 2**121 * 448 overflow fp32, so some outputs are NaN: compared as numbers)
+    assert torch.equal(big.nan_to_num(), want.nan_to_num()), "the numba kernel's result, not the C++ kernel's"
+
+
+GQA_BATCH = ((40, 37, 45, 19, 16, 33), (1, 37, 11, 1, 1, 20))  # decodes, a whole prefill, chunks
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("q_dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8, 16))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpp_kernel_every_gqa_ratio_decode_and_prefill(fmt, ratio, q_dtype, build):
+    """The C++ kernel's paths over an fp8 cache (decodes of several KV heads, a whole prefill
+    and chunks in lane tiles, small chunks row by row; 16 query heads per KV head tile even a
+    decode) against dense float64 attention over the oracle's dequantised K/V, head_dim 64,
+    block 16. fp32 queries within TOL, bf16 queries and outputs within one rounding (2**-8
+    relative), as test_bf16_query_reads_fp8_cache."""
+    seq_lens, q_lens = GQA_BATCH
+    kc, vc, tables, sl, ks, vs, qs = _paged_case(fmt, seq_lens, q_lens, seed=10 + ratio, q_dtype=q_dtype,
+                                                 heads=(2 * ratio, 2, 64), block=16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = _cpp(_varlen(cpa.paged_attention_varlen), build)(torch.cat(qs), kc, vc, tables, cu, sl, 0.125)
+    assert out.dtype == q_dtype, "the output must have the query's dtype"
+    for i in range(len(seq_lens)):
+        want = dense_causal_attention(qs[i].double(), ks[i], vs[i], 0.125).double()
+        got = out[cu[i]:cu[i + 1]]
+        what = f"C++ {build} {fmt} ratio {ratio} {q_dtype} seq {i} (q_len {q_lens[i]})"
+        if q_dtype == torch.float32:
+            _check(got, want, what)
+        else:
+            err = ((got.double() - want).abs() / want.abs().clamp(min=0.5)).max().item()
+            assert err <= 2 ** -8, f"{what}: off by {err:.3g} relative (scale not applied, wrong format?)"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpp_kernel_reads_every_byte_as_value_times_scale(fmt, build):
+    """One cached position: attention returns its V row exactly (one key, softmax weight 1),
+    so each of the 256 bytes, one per element of 2 KV heads x 128 dims, must come back as
+    fp32(the oracle's value) * v_scale in fp32, bit for bit: subnormals, the largest
+    values, signed zeros, and e5m2's inf and NaN codes and e4m3's NaN codes as NaN/inf."""
+    codes = torch.arange(256, dtype=torch.uint8).view(1, 1, 2, 128)
+    vc = codes.view(oracle.TORCH[fmt])
+    kc = torch.zeros_like(codes).view(oracle.TORCH[fmt])
+    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(0))
+    tables, sl = torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    out = _cpp(_decode(cpa.paged_attention_decode), build)(q, kc, vc, tables, sl, 0.125)
+    want = oracle.table(fmt).float().view(2, 128) * torch.tensor(V_SCALE, dtype=torch.float32)
+    for h in range(4):  # query head h reads KV head h // 2
+        got, w = out[0, h], want[h // 2]
+        bad = ~((got == w) | (torch.isnan(got) & torch.isnan(w)))
+        assert not bad.any(), (f"C++ {build} {fmt}: bytes {codes.view(2, 128)[h // 2][bad].tolist()} read as "
+                               f"{got[bad].tolist()}, want {w[bad].tolist()} (wrong format, scale or special code?)")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpp_kernel_one_and_two_threads_give_identical_bits(monkeypatch, fmt, build):
+    """A row's arithmetic does not depend on which thread takes its item, nor on decodes
+    split into items of KV heads: two threads give one thread's bits."""
+    seq_lens, q_lens = (70, 33, 90, 12), (1, 33, 1, 1)
+    kc, vc, tables, sl, _, _, qs = _paged_case(fmt, seq_lens, q_lens, seed=8, heads=(8, 4, 64), block=16)
+    cu = torch.tensor([0, 1, 34, 35, 36], dtype=torch.int32)
+    run = _cpp(_varlen(cpa.paged_attention_varlen), build)
+    monkeypatch.setattr(cpa, "KERNEL_THREADS", 2)
+    with torch_threads(1):
+        one = run(torch.cat(qs), kc, vc, tables, cu, sl, 0.125)
+    with torch_threads(2):
+        assert torch.equal(one, run(torch.cat(qs), kc, vc, tables, cu, sl, 0.125)), \
+            f"{fmt}: 1 and 2 threads disagree (shared scratch, or a dequantisation that depends on the item?)"
 
 
 @pytest.mark.parametrize("bad, match", [

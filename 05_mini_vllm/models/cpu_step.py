@@ -28,8 +28,10 @@ default; `modules` turns it off), inference (no autograd), not traced by torch.c
 (a compiled model keeps the module code, which Dynamo traces), the fused ops on
 (MINI_VLLM_CPU_OPS=compiled), a step of 1..MAX_TOKENS tokens whose every token keeps its
 K/V, and a model this loop knows (`_supported`): one rank, Llama / Qwen3 attention with the
-"cpu" backend on a cache of the model's dtype that the C++ kernel reads, the dense MLP,
-unquantized linear layers that take the C++ matmul. Anything else runs the modules.
+"cpu" backend on a cache the C++ kernel reads (the model's dtype, or fp8 with scales it takes:
+K/V quantised as `backends.write_kv_in_place` does, each layer's k_scale / v_scale written into
+the attention block every step), the dense MLP, unquantized linear layers that take the C++
+matmul. Anything else runs the modules.
 
 Invariant: a plan is keyed on everything its blocks baked in (the token count, the thread
 count, the linear and attention kernel choices) and checked each step against what may
@@ -51,6 +53,7 @@ from mini_vllm.kernels import cpu_layer_ops_native as native
 from mini_vllm.kernels import cpu_native
 from mini_vllm.kernels.cpu_paged_attention import batch_plan
 from mini_vllm.kernels.cpu_runtime import use_torch_threads
+from mini_vllm.kernels.kv_cache_dtype import as_bytes, is_fp8, quantize
 
 from . import cpu_ops
 from .layers import RMSNorm
@@ -79,13 +82,14 @@ class _Op:
 class _Layer:
     ops_before: list[_Op]           # input norm, qkv_proj, q/k norm + rope (or the two ropes)
     ops_after: list[_Op]            # o_proj, post-attention norm, gate_up_proj, silu-and-mul, down_proj
-    key_rows: torch.Tensor          # the key cache seen as [slots, kv heads, head dim]
+    key_rows: torch.Tensor          # the key cache seen as [slots, kv heads, head dim] (an fp8 one as bytes)
     value_rows: torch.Tensor
     key_in: torch.Tensor            # this step's K and V as index_copy_ reads them (views of the buffers)
     value_in: torch.Tensor
     attn_slots: np.ndarray          # query, key cache, value cache, output pointers of the attention block
     attn: object                    # the Attention layer (its kv_cache and backend are checked each step)
     kv_cache: tuple
+    fp8: torch.dtype | None         # the cache's fp8 dtype (K/V quantised with attn's scales), or None
 
 
 @dataclass
@@ -125,8 +129,13 @@ def _supported(model, attention_class: type, mlp_class: type) -> bool:
                 or attn.qk_kernel not in ("rope", "qk_norm_rope") or type(mlp) is not mlp_class):
             return False
         a = attn.attn
-        if (a.backend_name != "cpu" or a.kv_cache is None or a.calculate_kv_scales or a.kv_cache[0].dtype != dtype
-                or not cpu_native.handles(dtype, attn.head_dim) or a.scale != model.layers[0].self_attn.attn.scale
+        cache = None if a.kv_cache is None else a.kv_cache[0].dtype
+        fp8 = cache is not None and is_fp8(cache)
+        # (every layer's cache of one dtype: the attention block's dtype slot is set once per step)
+        if (a.backend_name != "cpu" or cache is None or a.calculate_kv_scales or (cache != dtype and not fp8)
+                or cache != model.layers[0].self_attn.attn.kv_cache[0].dtype
+                or not cpu_native.handles(cache, attn.head_dim, dtype) or (fp8 and not cpu_native.scales_ok(
+                    a.k_scale, a.v_scale)) or a.scale != model.layers[0].self_attn.attn.scale
                 or type(attn.rotary_emb) is not RotaryEmbedding or attn.head_dim > native.MAX_HEAD_SIZE):
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -198,8 +207,14 @@ def _run(model, plan: _ShapePlan, input_ids, positions, md, cpu_md) -> torch.Ten
     for layer in plan.layers:
         for op in layer.ops_before:
             _call(layer_op, op, nthreads)
-        write_kv(layer.key_rows, layer.value_rows, slots, layer.key_in, layer.value_in)
         attn_params[cpu_native.LAYER_SLOTS] = layer.attn_slots
+        if layer.fp8 is None:
+            write_kv(layer.key_rows, layer.value_rows, slots, layer.key_in, layer.value_in)
+        else:
+            k_scale, v_scale = layer.attn.k_scale, layer.attn.v_scale
+            write_kv(layer.key_rows, layer.value_rows, slots, layer.key_in, layer.value_in, layer.fp8, k_scale,
+                     v_scale)
+            attn_params[cpu_native.SCALE_SLOTS] = cpu_native.scale_slots(k_scale, v_scale)
         counter[0] = 0
         if attn_threads == 1:
             worker(attn_address, 0)
@@ -215,9 +230,13 @@ def _run(model, plan: _ShapePlan, input_ids, positions, md, cpu_md) -> torch.Ten
     return hidden
 
 
-def write_kv(key_rows, value_rows, slots, key, value) -> None:
-    """backends.write_kv_in_place for a cache of the model's dtype with every token kept
-    (a function of its own so that a benchmark can time it as the kernel it is)."""
+def write_kv(key_rows, value_rows, slots, key, value, fp8: torch.dtype | None = None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+    """backends.write_kv_in_place with every token kept, for a cache of the model's dtype or
+    of the fp8 dtype `fp8` (rows seen as bytes; the same `quantize` bytes); a function of its
+    own so that a benchmark can time it as the kernel it is."""
+    if fp8 is not None:
+        key, value = as_bytes(quantize(key, k_scale, fp8)), as_bytes(quantize(value, v_scale, fp8))
     key_rows.index_copy_(0, slots, key)
     value_rows.index_copy_(0, slots, value)
 
@@ -311,10 +330,10 @@ def _build(model, tokens: int, nthreads: int) -> _ShapePlan:
         kc, vc = attn.attn.kv_cache
         kvh, hd = attn.num_kv_heads, attn.head_dim
         layers.append(_Layer(
-            before, after, kc.view(-1, kvh, hd), vc.view(-1, kvh, hd), key.view(tokens, kvh, hd),
+            before, after, as_bytes(kc).view(-1, kvh, hd), as_bytes(vc).view(-1, kvh, hd), key.view(tokens, kvh, hd),
             qkv[:, q_size + kv_size:].view(tokens, kvh, hd),
             np.array((query.data_ptr(), kc.data_ptr(), vc.data_ptr(), attn_out.data_ptr()), np.int64),
-            attn.attn, attn.attn.kv_cache))
+            attn.attn, attn.attn.kv_cache, kc.dtype if is_fp8(kc.dtype) else None))
     final = add_norm(model.norm, mlp_out, res, normed, other(res))
     heads = first.num_heads
     return _ShapePlan(tokens, nthreads, embedded, pos, query.view(tokens, heads, first.head_dim),

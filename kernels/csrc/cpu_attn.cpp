@@ -1,12 +1,13 @@
-// Paged attention for fp32 and bf16 KV caches on x86 CPUs with AVX-512 and AVX512_BF16, or
-// AVX2 and FMA: the engine's varlen batch (prefill tiles, chunks and decodes), read in place
-// from the paged cache. Written once against simd.h and compiled once per instruction set
+// Paged attention for fp32, bf16 and fp8 (e4m3, e5m2) KV caches on x86 CPUs with AVX-512 and
+// AVX512_BF16, or AVX2, FMA and F16C: the engine's varlen batch (prefill tiles, chunks and
+// decodes), read in place from the paged cache. Written once against simd.h and compiled once per instruction set
 // (kernels/cpu_native.py picks the build the CPU can run).
 //
 // vLLM counterpart: csrc/cpu/cpu_attn.cpp and cpu_attn_impl.hpp (its CPU attention, also
 // C++ with AVX-512 / AMX intrinsics). Built and loaded by kernels/cpu_native.py; the work
 // items, their order and the threads come from kernels/cpu_paged_attention.py, whose numba
-// kernel this replaces for fp32 and bf16 caches where the CPU has the instructions.
+// kernel this replaces where the CPU has the instructions. How each cache format is read (an
+// fp8 byte dequantised on load, by bit arithmetic): attn_formats.h.
 //
 // Why C++ here: the score of a query row and a key is a dot product of two bf16 vectors.
 // VDPBF16PS multiplies 32 bf16 pairs and adds them into 16 fp32 sums in one instruction;
@@ -36,22 +37,26 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "attn_formats.h"
 #include "simd.h"
 
 namespace {
 
 using namespace mini_vllm_simd;  // V16 (16 fp32 lanes), its operations and the register budgets
+using namespace mini_vllm_attn;  // the formats: Bf16, Fp32, Fp8<query, format>
 
 // The parameter block the Python side fills (cpu_native.PARAMS names each slot).
 enum Param {
   kQuery, kKeyCache, kValueCache, kOut, kTables, kTableStride, kCuSeqlens, kSeqLens,
   kItemSeq, kItemT0, kItemH0, kNumItems, kTileTokens, kDecodeHeads, kNumHeads, kNumKvHeads,
-  kHeadDim, kBlockSize, kScaleBits, kScratch, kScratchFloats, kCounter, kDtype, kNumParams
+  kHeadDim, kBlockSize, kScaleBits, kScratch, kScratchFloats, kCounter, kDtype, kKScaleBits, kVScaleBits,
+  kQueryDtype, kNumParams
 };
 
 struct Args {
-  const void* query;            // [tokens, num_heads, head_dim], the caches' dtype
+  const void* query;            // [tokens, num_heads, head_dim], the model's dtype (query_dtype)
   const void* key_cache;        // [blocks, block_size, num_kv_heads, head_dim]
   const void* value_cache;
   void* out;                    // like query
@@ -67,10 +72,19 @@ struct Args {
   float* scratch;
   int64_t scratch_floats;       // per thread
   int64_t* counter;             // the next item to hand out
-  int64_t dtype;                // kFp32 or kBf16
+  int64_t dtype;                // the caches': a Dtype
+  float k_scale, v_scale;       // an fp8 cache's per-tensor scales (1 for the others)
+  int64_t query_dtype;          // the query's and the output's: kFp32 or kBf16 (the cache's unless fp8)
 };
 
-enum Dtype { kFp32 = 0, kBf16 = 1 };
+enum Dtype { kFp32 = 0, kBf16 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
+
+float float_bits(int64_t p) {
+  uint32_t bits = static_cast<uint32_t>(p);
+  float x;
+  __builtin_memcpy(&x, &bits, 4);
+  return x;
+}
 
 Args unpack(const int64_t* p) {
   Args a;
@@ -92,33 +106,16 @@ Args unpack(const int64_t* p) {
   a.num_kv_heads = p[kNumKvHeads];
   a.head_dim = p[kHeadDim];
   a.block_size = p[kBlockSize];
-  uint32_t bits = static_cast<uint32_t>(p[kScaleBits]);
-  __builtin_memcpy(&a.scale, &bits, 4);
+  a.scale = float_bits(p[kScaleBits]);
   a.scratch = reinterpret_cast<float*>(p[kScratch]);
   a.scratch_floats = p[kScratchFloats];
   a.counter = reinterpret_cast<int64_t*>(p[kCounter]);
   a.dtype = p[kDtype];
+  a.k_scale = float_bits(p[kKScaleBits]);
+  a.v_scale = float_bits(p[kVScaleBits]);
+  a.query_dtype = p[kQueryDtype];
   return a;
 }
-
-// How each cache format is read and written. bf16: dot products with VDPBF16PS (32 pairs
-// an instruction; bf16 products are exact in fp32), values widened by a shift. fp32: FMAs,
-// 16 an instruction. Both accumulate in fp32.
-struct Bf16 {
-  using T = uint16_t;
-  static constexpr int kDotWidth = 32;  // elements of a row one dot step takes
-  static V16 dot(V16 acc, const T* q, const T* k) { return dpbf16(acc, load_i(q), load_i(k)); }
-  static V16 load16(const T* p) { return widen16(p); }
-  static void store16(T* p, V16 x) { store_bf16_like_torch(p, x); }
-};
-
-struct Fp32 {
-  using T = float;
-  static constexpr int kDotWidth = 16;
-  static V16 dot(V16 acc, const T* q, const T* k) { return fmadd(load(q), load(k), acc); }
-  static V16 load16(const T* p) { return load(p); }
-  static void store16(T* p, V16 x) { store(p, x); }
-};
 
 inline void prefetch_rows(const void* first, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(first);
@@ -127,28 +124,34 @@ inline void prefetch_rows(const void* first, int64_t bytes) {
 
 // S[r, j] = scale * q_r . k_j for NR <= kScoreRows query rows (row r's query at q[r], its
 // scores at s + r * s_stride) and keys 0..n-1 of one block and KV head (key j at k + j *
-// k_stride). kScoreKeys keys at a time (four on AVX-512, two on AVX2, whose 16 registers hold
-// fewer accumulators; the last group repeats its last key), each chunk of a key loaded once
-// for the NR rows, then one horizontal sum per row and key (the same tree for any grouping). The rows' loop is inside
+// k_stride; kmul: an fp8 cache's multiplier, attn_formats.h). kScoreKeys keys at a time (four
+// on AVX-512, two on AVX2, whose 16 registers hold fewer accumulators; the last group repeats
+// its last key), each chunk of a key loaded (and dequantised) once for the NR rows, then one
+// horizontal sum per row and key (the same tree for any grouping). The rows' loop is inside
 // the chunks' so that a key is read once per item, not once per row: a KV head's rows lie
 // one cache slot apart (4 KiB for fp32 at head_dim 128, all in one L1 set), and re-reading
 // them per row missed L1 (16 fp32 Qwen3 decodes: 7.4 ms, against numba's 6.6).
 template <class E, int NR>
-void scores_block(const typename E::T* const* q, const typename E::T* k, int64_t k_stride, int n,
-                  int64_t head_dim, float scale, float* s, int64_t s_stride) {
-  using T = typename E::T;
+void scores_block(const typename E::Q* const* q, const typename E::C* k, int64_t k_stride, int n,
+                  int64_t head_dim, float scale, float kmul, float* s, int64_t s_stride) {
+  using C = typename E::C;
   constexpr int W = E::kDotWidth;
   const int chunks = static_cast<int>(head_dim / W);
   constexpr int NK = kScoreKeys;
   for (int j = 0; j < n; j += NK) {
-    const T* kj[NK];
+    const C* kj[NK];
     for (int c = 0; c < NK; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * k_stride;
     V16 a[NR][NK];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NK; ++c) a[r][c] = zero();
-    for (int c = 0; c < chunks; ++c)
-      for (int r = 0; r < NR; ++r)
-        for (int key = 0; key < NK; ++key) a[r][key] = E::dot(a[r][key], q[r] + W * c, kj[key] + W * c);
+    for (int c = 0; c < chunks; ++c) {
+      typename E::Op kc[NK];
+      for (int key = 0; key < NK; ++key) kc[key] = E::key(kj[key] + W * c, kmul);
+      for (int r = 0; r < NR; ++r) {
+        const typename E::Op qc = E::query(q[r] + W * c);
+        for (int key = 0; key < NK; ++key) a[r][key] = E::dot(a[r][key], qc, kc[key]);
+      }
+    }
     for (int r = 0; r < NR; ++r)  // (with NK < 4 reduce4's other lanes repeat keys, never stored)
       store4_n(s + r * s_stride + j,
                _mm_mul_ps(reduce4(a[r][0], a[r][1 % NK], a[r][2 % NK], a[r][3 % NK]), _mm_set1_ps(scale)),
@@ -157,16 +160,16 @@ void scores_block(const typename E::T* const* q, const typename E::T* k, int64_t
 }
 
 template <class E>
-void scores(const typename E::T* const* q, int rows, const typename E::T* k, int64_t k_stride, int n,
-            int64_t head_dim, float scale, float* s, int64_t s_stride) {
+void scores(const typename E::Q* const* q, int rows, const typename E::C* k, int64_t k_stride, int n,
+            int64_t head_dim, float scale, float kmul, float* s, int64_t s_stride) {
   for (int r = 0; r < rows; r += kScoreRows) {
-    const typename E::T* const* qr = q + r;
+    const typename E::Q* const* qr = q + r;
     float* sr = s + r * s_stride;
     switch (rows - r < kScoreRows ? rows - r : kScoreRows) {
-      case 4: scores_block<E, 4>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
-      case 3: scores_block<E, 3>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
-      case 2: scores_block<E, 2>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
-      default: scores_block<E, 1>(qr, k, k_stride, n, head_dim, scale, sr, s_stride); break;
+      case 4: scores_block<E, 4>(qr, k, k_stride, n, head_dim, scale, kmul, sr, s_stride); break;
+      case 3: scores_block<E, 3>(qr, k, k_stride, n, head_dim, scale, kmul, sr, s_stride); break;
+      case 2: scores_block<E, 2>(qr, k, k_stride, n, head_dim, scale, kmul, sr, s_stride); break;
+      default: scores_block<E, 1>(qr, k, k_stride, n, head_dim, scale, kmul, sr, s_stride); break;
     }
   }
 }
@@ -206,8 +209,8 @@ constexpr int kLaneRows = 16;  // items with at least this many query rows take 
 // per key). Fewer rows take wider passes: a decode's 2 rows cover 128 dims in one pass, so a
 // V row is read once (its head's rows lie a cache slot apart, in one L1 set).
 template <class E, int NR, int ND = (kPvVectors / NR > 0 ? kPvVectors / NR : 1)>
-void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::T* v,
-              int64_t v_stride, int n, int64_t head_dim) {
+void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::C* v,
+              int64_t v_stride, float vmul, int n, int64_t head_dim) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * ND) {
     const int nd = head_dim - d0 >= 16 * ND ? ND : static_cast<int>((head_dim - d0) / 16);
     V16 a[NR][ND];
@@ -217,9 +220,9 @@ void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, 
         a[r][c] = c < nd ? mul(load(acc + r * head_dim + d0 + 16 * c), al) : al;
     }
     for (int j = 0; j < n; ++j) {
-      const typename E::T* vj = v + j * v_stride + d0;
+      const typename E::C* vj = v + j * v_stride + d0;
       V16 vv[ND];
-      for (int c = 0; c < ND; ++c) vv[c] = c < nd ? E::load16(vj + 16 * c) : zero();
+      for (int c = 0; c < ND; ++c) vv[c] = c < nd ? E::load16(vj + 16 * c, vmul) : zero();
       for (int r = 0; r < NR; ++r) {
         V16 pr = set1(p[r * p_stride + j]);
         for (int c = 0; c < ND; ++c)
@@ -232,13 +235,13 @@ void pv_block(float* acc, const float* alpha, const float* p, int64_t p_stride, 
 }
 
 template <class E>
-void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::T* v,
-             int64_t v_stride, int n, int64_t head_dim) {
+void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_stride, const typename E::C* v,
+             int64_t v_stride, float vmul, int n, int64_t head_dim) {
   switch (nr) {
-    case 4: pv_block<E, 4>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    case 3: pv_block<E, 3>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    case 2: pv_block<E, 2>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
-    default: pv_block<E, 1>(acc, alpha, p, p_stride, v, v_stride, n, head_dim); break;
+    case 4: pv_block<E, 4>(acc, alpha, p, p_stride, v, v_stride, vmul, n, head_dim); break;
+    case 3: pv_block<E, 3>(acc, alpha, p, p_stride, v, v_stride, vmul, n, head_dim); break;
+    case 2: pv_block<E, 2>(acc, alpha, p, p_stride, v, v_stride, vmul, n, head_dim); break;
+    default: pv_block<E, 1>(acc, alpha, p, p_stride, v, v_stride, vmul, n, head_dim); break;
   }
 }
 
@@ -246,11 +249,13 @@ void pv_rows(int nr, float* acc, const float* alpha, const float* p, int64_t p_s
 // and where its rows, blocks and keys are.
 template <class E>
 struct Seq {
-  using T = typename E::T;
-  const T* query;
-  const T* key_cache;
-  const T* value_cache;
-  T* out;
+  using Q = typename E::Q;
+  using C = typename E::C;
+  const Q* query;
+  const C* key_cache;
+  const C* value_cache;
+  Q* out;
+  float kmul, vmul;        // what a K / V element is multiplied by when loaded (fp8 only, attn_formats.h)
   int64_t D, bs, H, KVH, group;
   int64_t q_start, q_len;
   int64_t context_len;     // query t sits at position context_len + t
@@ -258,12 +263,18 @@ struct Seq {
   int64_t row_elems;       // one slot of the cache: all KV heads
 
   Seq(const Args& a, int64_t i)
-      : query(static_cast<const T*>(a.query)), key_cache(static_cast<const T*>(a.key_cache)),
-        value_cache(static_cast<const T*>(a.value_cache)), out(static_cast<T*>(a.out)), D(a.head_dim),
+      : query(static_cast<const Q*>(a.query)), key_cache(static_cast<const C*>(a.key_cache)),
+        value_cache(static_cast<const C*>(a.value_cache)), out(static_cast<Q*>(a.out)),
+        kmul(multiplier(a.k_scale)), vmul(multiplier(a.v_scale)), D(a.head_dim),
         bs(a.block_size), H(a.num_heads), KVH(a.num_kv_heads), group(a.num_heads / a.num_kv_heads),
         q_start(a.cu_seqlens[i]), q_len(a.cu_seqlens[i + 1] - a.cu_seqlens[i]),
         context_len(a.seq_lens[i] - (a.cu_seqlens[i + 1] - a.cu_seqlens[i])), table(a.tables + i * a.table_stride),
         row_elems(a.num_kv_heads * a.head_dim) {}
+
+  static float multiplier(float scale) {
+    if constexpr (E::kFp8) return scale * E::kRebias;
+    return 1.0f;
+  }
 
   // Row r of a tile from token t0 whose rows belong to KV head h: token t0 + r / group, query
   // head h * group + r % group; its offset in query and out.
@@ -272,15 +283,15 @@ struct Seq {
   // The keys of the block that starts at key `start` an item reads: never one at or past kv_end.
   int block_keys(int64_t start, int64_t kv_end) const { return static_cast<int>(kv_end - start < bs ? kv_end - start : bs); }
 
-  const T* keys(int64_t phys, int64_t h) const { return key_cache + (phys * bs * KVH + h) * D; }
-  const T* values(int64_t phys, int64_t h) const { return value_cache + (phys * bs * KVH + h) * D; }
+  const C* keys(int64_t phys, int64_t h) const { return key_cache + (phys * bs * KVH + h) * D; }
+  const C* values(int64_t phys, int64_t h) const { return value_cache + (phys * bs * KVH + h) * D; }
 
   // Prefetch KV head h's first n rows of K and V in physical block phys.
   void prefetch_head(int64_t phys, int64_t n, int64_t h) const {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t at = ((phys * bs + j) * KVH + h) * D;
-      prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(T)));
-      prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(T)));
+      prefetch_rows(key_cache + at, D * static_cast<int64_t>(sizeof(C)));
+      prefetch_rows(value_cache + at, D * static_cast<int64_t>(sizeof(C)));
     }
   }
 };
@@ -299,6 +310,19 @@ inline void transpose_q(const uint16_t* const* q, int rows, int rows_p, int64_t 
       uint32_t pair = 0;
       if (r < rows) __builtin_memcpy(&pair, q[r] + 2 * p, 4);
       pairs[p * rows_p + r] = pair;
+    }
+}
+
+// fp32 lanes from a bf16 query, for an fp8 cache's tiles (whose keys are dequantised to fp32).
+inline void transpose_q_fp32(const float* const* q, int rows, int rows_p, int64_t D, float* qt) {
+  transpose_q(q, rows, rows_p, D, qt);
+}
+
+inline void transpose_q_fp32(const uint16_t* const* q, int rows, int rows_p, int64_t D, float* qt) {
+  for (int r = 0; r < rows_p; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t bits = r < rows ? static_cast<uint32_t>(q[r][d]) << 16 : 0u;  // bf16: an fp32's top half
+      __builtin_memcpy(qt + d * rows_p + r, &bits, 4);
     }
 }
 
@@ -337,26 +361,33 @@ inline void scores16x4(const float* qt, int rows_p, const uint16_t* const* k, in
 // 16 query rows per register: scores, softmax and the accumulator are all vertical (one row a
 // lane), so there is no horizontal sum, and each K or V element loaded serves 16 rows at once
 // through a broadcast. Same arithmetic per row as attend_item (fp32 sums of exact products;
-// only their order differs), same block steps, same invariants.
+// only their order differs), same block steps, same invariants. An fp8 block's K is
+// dequantised to fp32 once, as its V is, and scored as an fp32 cache's (the query in fp32).
 template <class E>
 void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, float* scratch) {
-  using T = typename E::T;
+  using Q = typename E::Q;
+  using C = typename E::C;
+  using K = std::conditional_t<E::kFp8, float, C>;  // the keys the scores read
   const Seq<E> sq(a, i);
   const int64_t D = sq.D, bs = sq.bs, group = sq.group, context_len = sq.context_len;
   const int64_t kv_end = context_len + t1;
   const int rows = static_cast<int>((t1 - t0) * group);
   const int rows_p = (rows + 15) / 16 * 16;  // padded to whole registers; padding lanes hold q = 0
   // Scratch (cpu_native.scratch_floats): row pointers, Qt [D][rows_p], acc^T [D][rows_p],
-  // m and l [rows_p], P^T [bs][16], and one block of V widened to fp32 [bs][D].
-  const T** qrow = reinterpret_cast<const T**>(scratch);
+  // m and l [rows_p], P^T [bs][16], one block of V widened to fp32 [bs][D], and of K [bs][D].
+  const Q** qrow = reinterpret_cast<const Q**>(scratch);
   float* qt = scratch + 2 * rows_p;
   float* acc = qt + D * rows_p;
   float* m = acc + D * rows_p;
   float* l = m + rows_p;
   float* pt = l + rows_p;
   float* vf = pt + bs * 16;
+  float* kf = vf + bs * D;
   for (int r = 0; r < rows; ++r) qrow[r] = sq.query + sq.row(t0, r, h);
-  transpose_q(qrow, rows, rows_p, D, qt);
+  if constexpr (E::kFp8)
+    transpose_q_fp32(qrow, rows, rows_p, D, qt);
+  else
+    transpose_q(qrow, rows, rows_p, D, qt);
   for (int64_t x = 0; x < D * rows_p; ++x) acc[x] = 0.0f;
   for (int r = 0; r < rows_p; ++r) { m[r] = -INFINITY; l[r] = 0.0f; }
   const int64_t num_blocks = (kv_end + bs - 1) / bs;
@@ -365,10 +396,22 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
     const int n = sq.block_keys(start, kv_end);
     const int64_t phys = sq.table[b];
     if (b + 1 < num_blocks) sq.prefetch_head(sq.table[b + 1], sq.block_keys(start + bs, kv_end), h);
-    const T* k = sq.keys(phys, h);
-    const T* v = sq.values(phys, h);
-    for (int j = 0; j < n; ++j)  // V widened once per block for all rows (fp32: a copy)
-      for (int64_t d = 0; d < D; d += 16) store(vf + j * D + d, E::load16(v + j * sq.row_elems + d));
+    const C* k = sq.keys(phys, h);
+    const C* v = sq.values(phys, h);
+    for (int j = 0; j < n; ++j)  // V widened once per block for all rows (fp32: a copy), and an fp8 K
+      for (int64_t d = 0; d < D; d += 16) {
+        store(vf + j * D + d, E::load16(v + j * sq.row_elems + d, sq.vmul));
+        if constexpr (E::kFp8) store(kf + j * D + d, E::load16(k + j * sq.row_elems + d, sq.kmul));
+      }
+    const K* kr;
+    int64_t k_stride;
+    if constexpr (E::kFp8) {
+      kr = kf;
+      k_stride = D;
+    } else {
+      kr = k;
+      k_stride = sq.row_elems;
+    }
     for (int g = 0; g < rows_p; g += 16) {
       // Lane r of this group is row g + r, at position context_len + t0 + (g + r) / group (the
       // padding lanes take the last row's); it sees key start + j iff start + j <= position.
@@ -381,8 +424,8 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
       const I16 pos = load_i(lane_pos);
       V16 m_old = load(m + g), m_new = m_old;
       for (int j = 0; j < n; j += 4) {
-        const T* kj[4];
-        for (int c = 0; c < 4; ++c) kj[c] = k + (j + c < n ? j + c : n - 1) * sq.row_elems;
+        const K* kj[4];
+        for (int c = 0; c < 4; ++c) kj[c] = kr + (j + c < n ? j + c : n - 1) * k_stride;
         V16 sc[4];
         scores16x4(qt + g, rows_p, kj, D, sc);
         for (int c = 0; c < 4 && j + c < n; ++c) {
@@ -421,7 +464,7 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
   for (int r = 0; r < rows; ++r) {
     const float inv = 1.0f / l[r];  // l >= 1: the row saw its own max
     float row[16];
-    T* o = sq.out + sq.row(t0, r, h);
+    Q* o = sq.out + sq.row(t0, r, h);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       for (int c = 0; c < 16; ++c) row[c] = acc[(d0 + c) * rows_p + r] * inv;
       E::store16(o + d0, load(row));
@@ -434,11 +477,11 @@ void attend_tile(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h, fl
 // all the rows, and acc is read and written once per four slots. The FMAs run in slot
 // order, as pv_block's do, so a row gets the same bits from either path.
 template <class E>
-void pv_slots(float* acc, const float* p, int64_t p_stride, const typename E::T* v, int64_t v_stride, int nj,
-              int64_t D, int rows) {
+void pv_slots(float* acc, const float* p, int64_t p_stride, const typename E::C* v, int64_t v_stride, float vmul,
+              int nj, int64_t D, int rows) {
   for (int64_t d = 0; d < D; d += 16) {
     V16 vv[4];
-    for (int j = 0; j < 4; ++j) vv[j] = j < nj ? E::load16(v + j * v_stride + d) : zero();
+    for (int j = 0; j < 4; ++j) vv[j] = j < nj ? E::load16(v + j * v_stride + d, vmul) : zero();
     for (int r = 0; r < rows; ++r) {
       V16 x = load(acc + r * D + d);
       for (int j = 0; j < 4; ++j) x = fmadd(set1(j < nj ? p[r * p_stride + j] : 0.0f), vv[j], x);
@@ -451,8 +494,8 @@ void pv_slots(float* acc, const float* p, int64_t p_stride, const typename E::T*
 // and how many of that block's slots it may read (nullptr: nothing to prefetch).
 template <class E>
 struct FirstBlock {
-  const typename E::T* keys = nullptr;
-  const typename E::T* values = nullptr;
+  const typename E::C* keys = nullptr;
+  const typename E::C* values = nullptr;
   int n = 0;
 };
 
@@ -473,27 +516,28 @@ struct FirstBlock {
 // Each row's arithmetic is attend_item's, operation for operation: the same bits.
 template <class E>
 void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t num_blocks, int64_t h0, int64_t h1,
-                        const typename E::T** qrow, float* acc, float* s, float* m, float* l, float* alpha,
+                        const typename E::Q** qrow, float* acc, float* s, float* m, float* l, float* alpha,
                         const FirstBlock<E>& after) {
-  using T = typename E::T;
+  using C = typename E::C;
   const int64_t D = sq.D, bs = sq.bs, heads = h1 - h0, row = sq.row_elems;
   const int group = static_cast<int>(sq.group);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     const int n = sq.block_keys(start, kv_end);
-    const T* kb = sq.keys(sq.table[b], h0);  // slot 0, head h0: a slot's heads h0..h1-1 are contiguous
-    const T* vb = sq.values(sq.table[b], h0);
+    const C* kb = sq.keys(sq.table[b], h0);  // slot 0, head h0: a slot's heads h0..h1-1 are contiguous
+    const C* vb = sq.values(sq.table[b], h0);
     // The next block's readable slots (none at or past its item's kv_end), four at a time.
     const bool last = b + 1 == num_blocks;
-    const T* kn = last ? after.keys : sq.keys(sq.table[b + 1], h0);
-    const T* vn = last ? after.values : sq.values(sq.table[b + 1], h0);
+    const C* kn = last ? after.keys : sq.keys(sq.table[b + 1], h0);
+    const C* vn = last ? after.values : sq.values(sq.table[b + 1], h0);
     const int nn = last ? after.n : sq.block_keys(start + bs, kv_end);
     for (int j = 0; j < n; j += 4) {
       const int nj = n - j < 4 ? n - j : 4;
       const int pj = j < nn ? (nn - j < 4 ? nn - j : 4) : 0;
       for (int64_t h = 0; h < heads; ++h) {
-        for (int c = 0; c < pj; ++c) prefetch_rows(kn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(T)));
-        scores<E>(qrow + h * group, group, kb + j * row + h * D, row, nj, D, a.scale, s + h * group * bs + j, bs);
+        for (int c = 0; c < pj; ++c) prefetch_rows(kn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(C)));
+        scores<E>(qrow + h * group, group, kb + j * row + h * D, row, nj, D, a.scale, sq.kmul, s + h * group * bs + j,
+                  bs);
       }
     }
     for (int x = 0; x < heads * group; ++x) {  // a decode sees every key up to kv_end: seen = n
@@ -505,8 +549,8 @@ void decode_block_major(const Args& a, const Seq<E>& sq, int64_t kv_end, int64_t
       const int nj = n - j < 4 ? n - j : 4;
       const int pj = j < nn ? (nn - j < 4 ? nn - j : 4) : 0;
       for (int64_t h = 0; h < heads; ++h) {
-        for (int c = 0; c < pj; ++c) prefetch_rows(vn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(T)));
-        pv_slots<E>(acc + h * group * D, s + h * group * bs + j, bs, vb + j * row + h * D, row, nj, D, group);
+        for (int c = 0; c < pj; ++c) prefetch_rows(vn + (j + c) * row + h * D, D * static_cast<int64_t>(sizeof(C)));
+        pv_slots<E>(acc + h * group * D, s + h * group * bs + j, bs, vb + j * row + h * D, row, sq.vmul, nj, D, group);
       }
     }
   }
@@ -538,7 +582,8 @@ FirstBlock<E> first_block(const Args& a, int64_t it) {
 template <class E>
 void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, int64_t h1, float* scratch,
                  int64_t next) {
-  using T = typename E::T;
+  using Q = typename E::Q;
+  using C = typename E::C;
   const Seq<E> sq(a, i);
   const int64_t D = sq.D, bs = sq.bs, group = sq.group, context_len = sq.context_len;
   const int64_t kv_end = context_len + t1;  // the item's last query sees keys < kv_end
@@ -546,7 +591,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
   const int rows = rows_per_head * static_cast<int>(h1 - h0);
   // Scratch (cpu_native.scratch_floats): the rows' query pointers first (8-byte aligned),
   // then acc [rows, D], S [rows, bs], running max, running sum and alpha [rows].
-  const T** qrow = reinterpret_cast<const T**>(scratch);
+  const Q** qrow = reinterpret_cast<const Q**>(scratch);
   float* acc = scratch + 2 * rows;
   float* s = acc + rows * D;
   float* m = s + rows * bs;
@@ -573,13 +618,14 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       // the heads, so that a few KiB are in flight at a time, not the whole next block.
       if (b + 1 < num_blocks) sq.prefetch_head(sq.table[b + 1], sq.block_keys(start + bs, kv_end), h);
       const int x0 = static_cast<int>((h - h0) * rows_per_head);
-      const T* k = sq.keys(phys, h);
-      const T* v = sq.values(phys, h);
+      const C* k = sq.keys(phys, h);
+      const C* v = sq.values(phys, h);
       // The first row that sees any key of this block (rows are ordered by token).
       int first = 0;
       while (first < rows_per_head && context_len + t0 + first / group - start + 1 <= 0) ++first;
       if (first == rows_per_head) continue;
-      scores<E>(qrow + x0 + first, rows_per_head - first, k, sq.row_elems, n, D, a.scale, s + (x0 + first) * bs, bs);
+      scores<E>(qrow + x0 + first, rows_per_head - first, k, sq.row_elems, n, D, a.scale, sq.kmul,
+                s + (x0 + first) * bs, bs);
       for (int r = first; r < rows_per_head; ++r) {
         int64_t seen = context_len + t0 + r / group - start + 1;
         int x = x0 + r;
@@ -589,7 +635,7 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
       // real key's value (j < n <= kv_end), never a NaN slot.
       for (int r = first; r < rows_per_head; r += kPvRows) {
         const int x = x0 + r, nr = rows_per_head - r < kPvRows ? rows_per_head - r : kPvRows;
-        pv_rows<E>(nr, acc + x * D, alpha + x, s + x * bs, bs, v, sq.row_elems, n, D);
+        pv_rows<E>(nr, acc + x * D, alpha + x, s + x * bs, bs, v, sq.row_elems, sq.vmul, n, D);
       }
     }
   }
@@ -597,9 +643,37 @@ void attend_item(const Args& a, int64_t i, int64_t t0, int64_t t1, int64_t h0, i
     for (int r = 0; r < rows_per_head; ++r) {
       int x = static_cast<int>((h - h0) * rows_per_head + r);
       float inv = 1.0f / l[x];  // l >= 1: the row saw its own max
-      T* o = sq.out + sq.row(t0, r, h);
+      Q* o = sq.out + sq.row(t0, r, h);
       for (int64_t d = 0; d < D; d += 16) E::store16(o + d, mul(load(acc + x * D + d), set1(inv)));
     }
+}
+
+// The items of one call, for one format: each item from the shared counter until none is left.
+template <class E>
+void work(const Args& a, float* scratch) {
+  for (int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED); it < a.num_items;
+       it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED)) {
+    const int64_t i = a.item_seq[it], t0 = a.item_t0[it], h0 = a.item_h0[it];
+    const int64_t q_len = a.cu_seqlens[i + 1] - a.cu_seqlens[i];
+    const int64_t t1 = t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len;
+    if (decode_item(a, i))
+      // The counter now holds the item handed out next: this thread's, unless another takes
+      // it first (then the prefetch was wasted, never wrong: it reads only readable slots).
+      attend_item<E>(a, i, 0, 1, h0, h0 + a.decode_heads, scratch, __atomic_load_n(a.counter, __ATOMIC_RELAXED));
+    else if ((t1 - t0) * (a.num_heads / a.num_kv_heads) >= kLaneRows)  // rows enough to fill the lanes
+      attend_tile<E>(a, i, t0, t1, h0, scratch);
+    else
+      attend_item<E>(a, i, t0, t1, h0, h0 + 1, scratch, -1);
+  }
+}
+
+// An fp8 cache's format, read by a query of the model's dtype.
+template <class Fmt>
+void work_fp8(const Args& a, float* scratch) {
+  if (a.query_dtype == kBf16)
+    work<Fp8<uint16_t, Fmt>>(a, scratch);
+  else
+    work<Fp8<float, Fmt>>(a, scratch);
 }
 
 }  // namespace
@@ -614,21 +688,11 @@ int64_t MINI_VLLM_EXPORT(mini_vllm_attn_num_params)() { return kNumParams; }
 void MINI_VLLM_EXPORT(mini_vllm_attn_worker)(const int64_t* params, int64_t w) {
   const Args a = unpack(params);
   float* scratch = a.scratch + w * a.scratch_floats;
-  for (int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED); it < a.num_items;
-       it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED)) {
-    const int64_t i = a.item_seq[it], t0 = a.item_t0[it], h0 = a.item_h0[it];
-    const int64_t q_len = a.cu_seqlens[i + 1] - a.cu_seqlens[i];
-    const auto item = a.dtype == kBf16 ? attend_item<Bf16> : attend_item<Fp32>;
-    const auto tile = a.dtype == kBf16 ? attend_tile<Bf16> : attend_tile<Fp32>;
-    const int64_t t1 = t0 + a.tile_tokens < q_len ? t0 + a.tile_tokens : q_len;
-    if (decode_item(a, i))
-      // The counter now holds the item handed out next: this thread's, unless another takes
-      // it first (then the prefetch was wasted, never wrong: it reads only readable slots).
-      item(a, i, 0, 1, h0, h0 + a.decode_heads, scratch, __atomic_load_n(a.counter, __ATOMIC_RELAXED));
-    else if ((t1 - t0) * (a.num_heads / a.num_kv_heads) >= kLaneRows)  // rows enough to fill the lanes
-      tile(a, i, t0, t1, h0, scratch);
-    else
-      item(a, i, t0, t1, h0, h0 + 1, scratch, -1);
+  switch (a.dtype) {
+    case kBf16: work<Bf16>(a, scratch); break;
+    case kFp8E4m3: work_fp8<Fp8E4m3>(a, scratch); break;
+    case kFp8E5m2: work_fp8<Fp8E5m2>(a, scratch); break;
+    default: work<Fp32>(a, scratch); break;
   }
 }
 

@@ -1,5 +1,5 @@
 // The SIMD layer a kernel source includes: simd_avx512.h when the compiler may use AVX-512
-// F/BW/VL/DQ and AVX512_BF16, simd_avx2.h for AVX2 + FMA. kernels/cpu_native.py compiles each
+// F/BW/VL/DQ and AVX512_BF16, simd_avx2.h for AVX2 + FMA + F16C. kernels/cpu_native.py compiles each
 // source once per instruction set it finds on the CPU (-m flags), into libraries whose names
 // hash the sources and the flags, and loads the best one at run time.
 //
@@ -14,9 +14,9 @@
     defined(__AVX512BF16__)
 #include "simd_avx512.h"
 #define MINI_VLLM_EXPORT(name) __attribute__((visibility("default"))) name##_avx512
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "simd_avx2.h"
 #define MINI_VLLM_EXPORT(name) __attribute__((visibility("default"))) name##_avx2
 #else
-#error "the C++ kernels need AVX-512 with AVX512_BF16, or AVX2 with FMA (kernels/cpu_native.py picks the flags)"
+#error "the C++ kernels need AVX-512 with AVX512_BF16, or AVX2 with FMA and F16C (kernels/cpu_native.py picks the flags)"
 #endif

@@ -1,5 +1,5 @@
-// The SIMD layer of the C++ kernels on AVX2 + FMA (Intel Haswell and later, AMD Zen 1-3: the
-// laptops and desktops without AVX-512): the names of simd_avx512.h, with 16 fp32 lanes held
+// The SIMD layer of the C++ kernels on AVX2 + FMA + F16C (Intel Haswell and later, AMD Zen 1-3:
+// the laptops and desktops without AVX-512; F16C widens an fp8 cache's bytes, attn_formats.h): the names of simd_avx512.h, with 16 fp32 lanes held
 // as two ymm registers, a lane mask as two all-ones/all-zeros vectors, and bf16 widened to
 // fp32 in registers (a shift or a mask: bf16 is the top half of an fp32) where AVX512_BF16
 // has one instruction.
@@ -130,6 +130,9 @@ inline V16 widen16_n(const uint16_t* p, int n) {  // no 16-bit masked load in AV
   std::memcpy(tmp, p, sizeof(uint16_t) * (n < 0 ? 0 : (n > 16 ? 16 : n)));
   return widen16(tmp);
 }
+
+// 16 fp16 bit patterns -> 16 fp32, exactly (F16C's VCVTPH2PS; the fp8 cache reads).
+inline V16 half16(__m256i h) { return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))}; }
 
 // acc += a . b per lane over a bf16 pair, as VDPBF16PS: lane i holds elements 2i (low half)
 // and 2i+1 (high half) of each operand; the odd product is added first.

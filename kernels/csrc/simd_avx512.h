@@ -83,6 +83,9 @@ inline V16 widen16_n(const uint16_t* p, int n) {
   return widen16(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(first_n(n)), p));
 }
 
+// 16 fp16 bit patterns -> 16 fp32, exactly (VCVTPH2PS; the fp8 cache reads).
+inline V16 half16(__m256i h) { return _mm512_cvtph_ps(h); }
+
 // acc += a . b per lane over a bf16 pair (lane i: a[2i] b[2i] + a[2i+1] b[2i+1]): VDPBF16PS.
 inline V16 dpbf16(V16 acc, I16 a, I16 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
