@@ -191,20 +191,9 @@ class ModelRunner:
                 if getattr(p, field) is not None:
                     raise NotImplementedError(f"request {st.req_id}: {field} is not part of the exercise's "
                                               "runner; use the reference runner")
-        # The batch's sampling columns, gathered only when these rows changed
-        # (`SamplingMetadata.from_params` over the same states gives the same metadata).
-        md = self.input_batch.refresh_metadata(rids, [s.output_token_ids for s in states], logits.device)
-        out = self.sampler(logits, md)
-        toks = out.sampled_token_ids.tolist()
-        lp = out.logprobs_tensors
-        if lp is not None:
-            ids_l, lps_l, ranks_l = (lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
-                                     lp.selected_token_ranks.tolist())
-        for j, (rid, st) in enumerate(zip(rids, states)):
-            sampled[rid] = [int(toks[j])]
-            n_lp = st.sampling_params.logprobs
-            if lp is not None and n_lp is not None:
-                logprobs[rid] = [(ids_l[j][:n_lp + 1], lps_l[j][:n_lp + 1], ranks_l[j])]
+        # The reference runner's sampler (worker/step_outputs.py): the batch's sampling columns,
+        # gathered only when these rows changed, then one token (and logprobs) per row.
+        self.step_sampler.sample(logits, rids, sampled, logprobs)
 
 
 def plug_runner(llm) -> None:
