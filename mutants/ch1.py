@@ -529,10 +529,27 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="gemm_last_input_pair_skipped",
         path=GEMM_CPP,
-        old="for (int64_t kp = 0; kp < pairs; ++kp) {",
-        new="for (int64_t kp = 0; kp < pairs - 1; ++kp) {",
+        old="for (int64_t kp = 0; kp < pairs; ++kp) {\n      I16 w[H];",
+        new="for (int64_t kp = 0; kp < pairs - 1; ++kp) {\n      I16 w[H];",
         tests=GEMM_TESTS,
         why="bf16 linear: the sum over the inputs stops one pair short",
+    ),
+    Mutant(
+        name="gemm_one_row_last_input_pair_skipped",
+        path=GEMM_CPP,
+        old="for (int64_t kp = 0; kp < pairs; ++kp) {\n    int32_t pair;",
+        new="for (int64_t kp = 0; kp < pairs - 1; ++kp) {\n    int32_t pair;",
+        tests=GEMM_TESTS,
+        why="bf16 linear, one row (a batch-1 decode reads two panels at once): its sum stops one pair short",
+    ),
+    Mutant(
+        name="gemm_one_row_second_stream_reads_the_first_panel",
+        path=GEMM_CPP,
+        old="const int64_t p = panel_begin + i, q = p + half;",
+        new="const int64_t p = panel_begin + i, q = p;",
+        tests=GEMM_TESTS,
+        why="bf16 linear, one row: the second stream reads the first stream's panel, so half the outputs "
+            "are another panel's",
     ),
     Mutant(
         name="gemm_bias_dropped",
