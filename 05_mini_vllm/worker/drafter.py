@@ -54,10 +54,14 @@ class Drafter:
         # Asynchronous scheduling with speculation: the drafts kept between steps and the
         # runner's own computed counts (`async_drafts.py`); None otherwise.
         self.async_drafts = AsyncDrafts() if async_scheduling and proposer is not None else None
-        self.keeps_computed_counts = self.async_drafts is not None
         # Under asynchronous scheduling the runner appended this step's tokens already.
         self.async_scheduling = async_scheduling
         self.step_drafts: dict[str, list[int]] = {}
+
+    @property
+    def keeps_computed_counts(self) -> bool:
+        """The runner keeps its own computed counts instead of taking the scheduler's."""
+        return self.async_drafts is not None
 
     def forget(self, req_id: str) -> None:
         if self.async_drafts is not None:
@@ -124,10 +128,12 @@ class TokenDrafter(Drafter):
 
     def propose(self, step, hidden, sampled):
         k = self.num_drafts_after(len(step.req_ids))
-        reqs = {rid: self.requests[rid].token_ids + ([] if self.async_scheduling else toks)
-                for rid, toks in sampled.items() if toks and spec_eligible(self.requests[rid].sampling_params)}
         drafts: dict[str, list[int]] = {}
-        if k and reqs:
+        # The contexts are copied only when something is proposed (k = 0 under a batch-size schedule).
+        reqs = {} if k == 0 else {
+            rid: self.requests[rid].token_ids + ([] if self.async_scheduling else toks)
+            for rid, toks in sampled.items() if toks and spec_eligible(self.requests[rid].sampling_params)}
+        if reqs:
             if isinstance(self.proposer, NgramProposer):
                 got = dict(zip(reqs, self.proposer.propose(list(reqs.values()))))
             else:

@@ -61,9 +61,6 @@ class ModelForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
         n = input_ids.shape[0]
-        if self.pool is None and self.forward_fn is self.model:  # eager: nothing to dispatch
-            with set_forward_context(md):
-                return self.model(input_ids, positions)
         mode, batch = self.dispatcher.dispatch(n, uniform_decode=md.max_query_len == 1 and md.num_seqs == n)
         self.last_mode = mode
         if mode == CUDAGraphMode.NONE:

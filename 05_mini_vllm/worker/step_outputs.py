@@ -48,9 +48,7 @@ class StepSampler:
     def sample_on_device(self, logits: torch.Tensor, rids: list[str]):
         """(the requests' states, the SamplerOutput): one token per row, still on the device."""
         states = [self.requests[r] for r in rids]
-        constrained = any(st.sampling_params.structured_outputs is not None for st in states)
-        bitmask = self.structured.bitmask(states) if constrained else None
-        return states, self.sampler(logits, self.metadata(states, logits.device, bitmask))
+        return states, self.sampler(logits, self.metadata(states, logits.device, self.structured.bitmask(states)))
 
     def sample(self, logits: torch.Tensor, rids: list[str], sampled: dict, logprobs: dict) -> None:
         """sampled[rid] = [token] per row, and logprobs[rid] for the requests that asked."""
